@@ -1,0 +1,143 @@
+"""``dsec.client``: a small synchronous client for the control-plane API (used by the probe and the CLI).
+
+Exceptions::
+
+    ClientError
+     ├── ApiError       the server answered 4xx/5xx (status, code, message, field)
+     └── Unreachable    no answer: connection refused, reset, timed out
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+
+class ClientError(Exception):
+    """Base of all client errors."""
+
+
+class ApiError(ClientError):
+    def __init__(self, status: int, code: str, message: str, field: str | None) -> None:
+        super().__init__(f"HTTP {status} {code}: {message}" + (f" (field: {field})" if field else ""))
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class Unreachable(ClientError):
+    """The control plane did not answer."""
+
+
+class Client:
+    """One keep-alive connection pool to a control plane. ``close()`` or use as a context manager."""
+
+    def __init__(self, endpoint: str, token: str | None = None, timeout: float = 5.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.token = token
+        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
+                token: str | None = None) -> Any:
+        tok = token or self.token
+        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        try:
+            resp = self._http.request(method, path, json=json, params=params, headers=headers)
+        except httpx.TransportError as exc:
+            raise Unreachable(f"{method} {self.endpoint}{path}: {exc or type(exc).__name__}") from exc
+        if resp.status_code >= 400:
+            try:
+                body = resp.json()
+            except ValueError:
+                body = {}
+            raise ApiError(resp.status_code, str(body.get("error", "http_error")),
+                           str(body.get("message", resp.text[:200])), body.get("field"))
+        if resp.status_code == 204 or not resp.content:
+            return None
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.json()
+        return resp.text
+
+    # -- worker protocol -------------------------------------------------------------------------
+    def register(self, pool: str, *, role: str = "other", group: str = "default", rank: int = 0,
+                 host: str = "", pid: int = 0, device: str | None = None,
+                 heartbeat_interval_s: float = 5.0, token: str | None = None) -> dict[str, Any]:
+        body = {"pool": pool, "role": role, "group": group, "rank": rank, "host": host, "pid": pid,
+                "device": device, "heartbeat_interval_s": heartbeat_interval_s}
+        return dict(self.request("POST", "/v1/workers/register", json=body, token=token))
+
+    def heartbeat(self, worker_id: str, seq: int, *, acked_directive_version: int = 0,
+                  metrics: Mapping[str, float] | None = None, events: Sequence[Mapping[str, Any]] = (),
+                  token: str | None = None) -> dict[str, Any]:
+        body = {"seq": seq, "acked_directive_version": acked_directive_version,
+                "metrics": dict(metrics or {}), "events": list(events)}
+        return dict(self.request("POST", f"/v1/workers/{worker_id}/heartbeat", json=body, token=token))
+
+    def deregister(self, worker_id: str, reason: str = "exit", token: str | None = None) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/workers/{worker_id}/deregister", params={"reason": reason},
+                                 token=token))
+
+    # -- admin -----------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/status"))
+
+    def workers(self, pool: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+        params = {k: v for k, v in {"pool": pool, "state": state}.items() if v is not None}
+        return list(self.request("GET", "/v1/workers", params=params)["items"])
+
+    def worker(self, worker_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/workers/{worker_id}"))
+
+    def directive(self, worker_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/workers/{worker_id}/directive"))
+
+    def set_directive(self, worker_id: str, **fields: Any) -> dict[str, Any]:
+        return dict(self.request("PATCH", f"/v1/workers/{worker_id}/directive", json=fields))
+
+    def pools(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/pools")["items"])
+
+    def put_pool(self, name: str, **spec: Any) -> dict[str, Any]:
+        return dict(self.request("PUT", f"/v1/pools/{name}", json=spec))
+
+    def events(self, *, worker_id: str | None = None, pool: str | None = None,
+               types: Sequence[str] = (), since: float | None = None, until: float | None = None,
+               cursor: int = 0, limit: int = 100) -> dict[str, Any]:
+        params: dict[str, Any] = {"cursor": cursor, "limit": limit}
+        for key, value in (("worker_id", worker_id), ("pool", pool), ("since", since), ("until", until)):
+            if value is not None:
+                params[key] = value
+        if types:
+            params["type"] = list(types)
+        return dict(self.request("GET", "/v1/events", params=params))
+
+    def all_events(self, **filters: Any) -> list[dict[str, Any]]:
+        """Every matching event, following the cursor."""
+        out: list[dict[str, Any]] = []
+        cursor = 0
+        while True:
+            page = self.events(cursor=cursor, limit=1000, **filters)
+            out.extend(page["items"])
+            if page["next_cursor"] is None:
+                return out
+            cursor = int(page["next_cursor"])
+
+    def create_token(self, pool: str | None = None, kind: str = "pool", label: str = "") -> str:
+        body = {"kind": kind, "pool": pool, "label": label}
+        return str(self.request("POST", "/v1/tokens", json=body)["token"])
+
+    def metrics_text(self) -> str:
+        return str(self.request("GET", "/metrics"))

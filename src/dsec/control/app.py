@@ -1,0 +1,294 @@
+"""``create_app(settings)``: the control plane as a FastAPI app. Routes are thin; behaviour lives in
+``ControlPlane`` (service.py). Served by uvicorn (``dsec serve``) or embedded (``dsec demo``, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, Header, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from dsec import __version__
+from dsec.control import errors
+from dsec.control.auth import bearer
+from dsec.control.errors import ApiError
+from dsec.control.http import JSON, BodyLimitAndMetrics, api_error_handler, request_validation_handler
+from dsec.control.metrics import ControlPlaneMetrics
+from dsec.control.schemas import (
+    NAME_PATTERN,
+    ClusterSpec,
+    DeviceSpec,
+    DirectivePatch,
+    HeartbeatRequest,
+    PoolUpdate,
+    RegisterRequest,
+    TokenCreate,
+)
+from dsec.control.service import ControlPlane
+from dsec.control.settings import Settings
+from dsec.control.store import EventQuery, Store, open_store
+from dsec.model import Device, DeviceHealth, EventType, Pool, PoolThresholds, WorkerState
+from dsec.yamlconf import load_file
+
+log = logging.getLogger(__name__)
+
+Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
+WorkerId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+PoolName = Annotated[str, Path(pattern=NAME_PATTERN)]
+
+
+def pool_from_spec(name: str, spec: Any) -> Pool:
+    return Pool(
+        name=name,
+        devices=tuple(spec.devices),
+        thresholds=PoolThresholds(spec.thresholds.bandwidth_cap_mbps, spec.thresholds.latency_cap_ms),
+        memory_base_gb=spec.memory_base_gb,
+        memory_ceiling_gb=spec.memory_ceiling_gb,
+        snapshot_interval_s=spec.snapshot_interval_s,
+    )
+
+
+def device_from_spec(spec: DeviceSpec) -> Device:
+    return Device(id=spec.id, node=spec.node, model=spec.model, memory_gb=spec.memory_gb,
+                  numa_node=spec.numa_node, nvlink_peers=tuple(spec.nvlink_peers),
+                  health=DeviceHealth(spec.health), pool=spec.pool)
+
+
+def load_cluster(path: Any) -> tuple[list[Pool], list[Device]]:
+    spec = load_file(ClusterSpec, path)
+    return [pool_from_spec(p.name, p) for p in spec.pools], [device_from_spec(d) for d in spec.devices]
+
+
+def _cp(request: Request) -> ControlPlane:
+    cp: ControlPlane = request.app.state.cp
+    return cp
+
+
+def worker_routes() -> APIRouter:
+    r = APIRouter(prefix="/v1/workers", tags=["workers"])
+
+    @r.post("/register", status_code=201)
+    async def register(body: RegisterRequest, request: Request, authorization: Auth = None) -> Response:
+        """Register a worker with a pool token; answers its id, its own token and its first directive."""
+        return JSON(await _cp(request).register(body, bearer(authorization)), status_code=201)
+
+    @r.post("/{worker_id}/heartbeat")
+    async def heartbeat(worker_id: WorkerId, body: HeartbeatRequest, request: Request,
+                        authorization: Auth = None) -> Response:
+        """Report a batch of metric summaries and events; answers the directive when its version changed."""
+        cp = _cp(request)
+        w = cp.worker_for(worker_id, bearer(authorization))
+        answer = await cp.heartbeat(w, body)
+        if not answer["duplicate"]:
+            request.app.state.metrics.heartbeats.labels(w.pool).inc()
+        return JSON(answer)
+
+    @r.post("/{worker_id}/deregister")
+    async def deregister(worker_id: WorkerId, request: Request, authorization: Auth = None,
+                         reason: Annotated[str, Query(max_length=200)] = "exit") -> Response:
+        cp = _cp(request)
+        return JSON(await cp.deregister(cp.worker_for(worker_id, bearer(authorization)), reason))
+
+    @r.get("")
+    async def list_workers(request: Request, authorization: Auth = None,
+                           pool: Annotated[str | None, Query(max_length=128)] = None,
+                           state: WorkerState | None = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        ws = [w.to_api() for w in cp.state.workers.values()
+              if (pool is None or w.pool == pool) and (state is None or w.state is state)]
+        ws.sort(key=lambda w: (w["pool"], w["group"], w["rank"], w["id"]))
+        return JSON({"items": ws})
+
+    @r.get("/{worker_id}")
+    async def get_worker(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON(cp.worker_for(worker_id, bearer(authorization)).to_api())
+
+    @r.get("/{worker_id}/directive")
+    async def get_directive(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
+        """Desired vs acked directive of one worker (the worker itself may read it too)."""
+        w = _cp(request).worker_for(worker_id, bearer(authorization))
+        return JSON(w.to_api()["directive"])
+
+    @r.patch("/{worker_id}/directive")
+    async def patch_directive(worker_id: WorkerId, body: DirectivePatch, request: Request,
+                              authorization: Auth = None) -> Response:
+        """Change directive fields; the version goes up by one and the worker gets it on its next beat."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        w = cp.worker_for(worker_id, bearer(authorization))
+        patch = body.model_dump(exclude_unset=True)
+        if not patch:
+            raise ApiError(422, "invalid", "empty patch: give at least one directive field", "body")
+        await cp.set_directive(w, patch, actor="api")
+        return JSON(w.to_api()["directive"])
+
+    return r
+
+
+def admin_routes() -> APIRouter:
+    r = APIRouter(prefix="/v1", tags=["admin"])
+
+    @r.get("/pools")
+    async def list_pools(request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON({"items": [p.to_dict() for p in sorted(cp.state.pools.values(), key=lambda p: p.name)]})
+
+    @r.get("/pools/{name}")
+    async def get_pool(name: PoolName, request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        pool = cp.state.pools.get(name)
+        if pool is None:
+            raise errors.not_found("pool", name, "name")
+        return JSON(pool.to_dict())
+
+    @r.put("/pools/{name}")
+    async def put_pool(name: PoolName, body: PoolUpdate, request: Request, authorization: Auth = None) -> Response:
+        """Create or replace a pool."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON((await cp.put_pool(pool_from_spec(name, body))).to_dict())
+
+    @r.delete("/pools/{name}", status_code=204)
+    async def delete_pool(name: PoolName, request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        await cp.delete_pool(name)
+        return Response(status_code=204)
+
+    @r.get("/devices")
+    async def list_devices(request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON({"items": [d.to_dict() for d in sorted(cp.state.devices.values(), key=lambda d: d.id)]})
+
+    @r.put("/devices/{device_id}")
+    async def put_device(device_id: PoolName, body: DeviceSpec, request: Request,
+                         authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        if body.id != device_id:
+            raise ApiError(422, "invalid", f"id {body.id!r} differs from the path's {device_id!r}", "id")
+        return JSON((await cp.put_device(device_from_spec(body))).to_dict())
+
+    @r.get("/events")
+    async def list_events(
+        request: Request,
+        authorization: Auth = None,
+        worker_id: Annotated[str | None, Query(max_length=64)] = None,
+        pool: Annotated[str | None, Query(max_length=128)] = None,
+        type: Annotated[list[EventType] | None, Query()] = None,  # noqa: A002 - the wire name
+        since: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
+        until: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
+        cursor: Annotated[int, Query(ge=0, description="next_cursor of the previous page")] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> Response:
+        """Events filtered by worker, pool, type and time range [since, until); keyset-paginated."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        q = EventQuery(worker_id=worker_id, pool=pool, types=tuple(type or ()), since=since, until=until,
+                       after_id=cursor, limit=limit)
+        items = await asyncio.to_thread(cp.store.query_events, q)
+        next_cursor = items[-1].id if len(items) == limit else None
+        return JSON({"items": [e.to_dict() for e in items], "next_cursor": next_cursor})
+
+    @r.post("/tokens", status_code=201)
+    async def create_token(body: TokenCreate, request: Request, authorization: Auth = None) -> Response:
+        """Create a pool (worker registration) or admin token. The token is shown once; only its hash is kept."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        token = await cp.create_token(body.kind, body.pool, body.label)
+        return JSON({"token": token, "kind": body.kind, "pool": body.pool}, status_code=201)
+
+    @r.get("/status")
+    async def status(request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON(cp.status())
+
+    return r
+
+
+def ops_routes() -> APIRouter:
+    r = APIRouter(tags=["ops"])
+
+    @r.get("/healthz")
+    async def healthz() -> Response:
+        """Liveness: the process answers."""
+        return JSON({"status": "ok", "version": __version__})
+
+    @r.get("/readyz")
+    async def readyz(request: Request) -> Response:
+        """Readiness: the store answers and the writer thread is alive."""
+        cp = _cp(request)
+        try:
+            await asyncio.to_thread(cp.store.list_pools)
+        except Exception as exc:
+            return JSON({"status": "unavailable", "reason": str(exc)}, status_code=503)
+        if not cp.writer_alive():
+            return JSON({"status": "unavailable", "reason": "writer thread stopped"}, status_code=503)
+        return JSON({"status": "ready", "workers": len(cp.state.workers), "pools": len(cp.state.pools)})
+
+    @r.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text exposition (registry owned by this app)."""
+        return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return r
+
+
+def create_app(settings: Settings, store: Store | None = None,
+               clock: Callable[[], float] = time.time) -> FastAPI:
+    """Build the app. Opens (and migrates) the store now, so a bad database URL fails here, loudly."""
+    owned_store = store is None
+    store = store or open_store(settings.database_url)
+    cp = ControlPlane(settings, store, clock)
+    if settings.cluster_file is not None:
+        pools, devices = load_cluster(settings.cluster_file)
+        cp.apply_cluster(pools, devices)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_reconcile_forever(cp))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            cp.close()
+            if owned_store:
+                store.close()
+
+    app = FastAPI(title="DSec control plane", version=__version__, lifespan=lifespan,
+                  description="Worker protocol and admin API; see docs/protocol.md.")
+    app.state.cp = cp
+    app.state.settings = settings
+    app.state.metrics = ControlPlaneMetrics(cp)
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, request_validation_handler)
+    app.include_router(ops_routes())
+    app.include_router(worker_routes())
+    app.include_router(admin_routes())
+    app.add_middleware(BodyLimitAndMetrics, max_body_bytes=settings.max_body_bytes, metrics=app.state.metrics)
+    return app
+
+
+async def _reconcile_forever(cp: ControlPlane) -> None:
+    while True:
+        await asyncio.sleep(cp.settings.reconcile_interval_s)
+        try:
+            await cp.reconcile()
+        except Exception:  # the loop must survive a store outage; the next pass retries
+            log.exception("reconcile pass failed")

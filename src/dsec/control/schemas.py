@@ -1,0 +1,172 @@
+"""Wire schemas (pydantic v2) for the HTTP API. Validation happens here, at the edge; the core gets
+frozen dataclasses from ``dsec.model``. Every model forbids unknown fields and non-finite floats."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dsec.model import (
+    MAX_MEMORY_GB,
+    WORKER_EVENT_TYPES,
+    DeviceHealth,
+    EventType,
+    Role,
+)
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="letters, digits, _ . : - (max 128)")]
+MetricName = Annotated[str, Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]{0,99}$")]
+MemoryGB = Annotated[float, Field(ge=0, le=MAX_MEMORY_GB)]
+MAX_METRICS = 512
+MAX_EVENTS_PER_BEAT = 256
+MAX_EVENT_DATA_BYTES = 16 * 1024
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, str_max_length=4096)
+
+
+class Thresholds(Strict):
+    bandwidth_cap_mbps: float = Field(128.0, gt=0, le=1e6)
+    latency_cap_ms: float = Field(85.0, gt=0, le=1e6)
+
+
+class PoolSpec(Strict):
+    name: Name
+    devices: list[Name] = Field(default_factory=list, max_length=4096)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    memory_base_gb: MemoryGB = 7.0
+    memory_ceiling_gb: MemoryGB = 12.0
+    snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _ceiling_above_base(self) -> PoolSpec:
+        if self.memory_ceiling_gb < self.memory_base_gb:
+            raise ValueError(
+                f"memory_ceiling_gb ({self.memory_ceiling_gb:g}) must be >= memory_base_gb "
+                f"({self.memory_base_gb:g})"
+            )
+        return self
+
+
+class PoolUpdate(Strict):
+    """Body of PUT /v1/pools/{name}: a PoolSpec whose name comes from the path."""
+
+    devices: list[Name] = Field(default_factory=list, max_length=4096)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+    memory_base_gb: MemoryGB = 7.0
+    memory_ceiling_gb: MemoryGB = 12.0
+    snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
+
+
+class DeviceSpec(Strict):
+    id: Name
+    node: Name
+    model: str = Field("unknown", max_length=128)
+    memory_gb: MemoryGB = 0.0
+    numa_node: int = Field(-1, ge=-1, le=1024)
+    nvlink_peers: list[Name] = Field(default_factory=list, max_length=1024)
+    health: DeviceHealth = DeviceHealth.HEALTHY
+    pool: Name | None = None
+
+
+class ClusterSpec(Strict):
+    """The cluster YAML (`dsec serve --cluster FILE`)."""
+
+    pools: list[PoolSpec] = Field(default_factory=list, max_length=10000)
+    devices: list[DeviceSpec] = Field(default_factory=list, max_length=100000)
+
+    @model_validator(mode="after")
+    def _unique(self) -> ClusterSpec:
+        for what, names in (("pools", [p.name for p in self.pools]), ("devices", [d.id for d in self.devices])):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"duplicate {what} {dup}")
+        return self
+
+
+class RegisterRequest(Strict):
+    pool: Name
+    role: Role = Role.OTHER
+    group: Name = "default"
+    rank: int = Field(0, ge=0, le=10_000_000)
+    host: str = Field("", max_length=255)
+    pid: int = Field(0, ge=0, le=2**31)
+    device: Name | None = None
+    heartbeat_interval_s: float = Field(5.0, ge=0.05, le=3600)
+
+
+def _check_json_value(value: Any, depth: int = 0) -> None:
+    if depth > 8:
+        raise ValueError("nested deeper than 8 levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"non-finite number {value!r} is not allowed")
+    if isinstance(value, dict):
+        for v in value.values():
+            _check_json_value(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_json_value(v, depth + 1)
+
+
+class EventIn(Strict):
+    type: EventType
+    ts: float | None = Field(None, ge=0, description="worker clock (unix seconds); server time if absent")
+    data: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _worker_type(cls, v: EventType) -> EventType:
+        if v not in WORKER_EVENT_TYPES:
+            allowed = sorted(t.value for t in WORKER_EVENT_TYPES)
+            raise ValueError(f"event type {v.value!r} is decided by the control plane; workers may send {allowed}")
+        return v
+
+    @field_validator("data")
+    @classmethod
+    def _data_ok(cls, v: dict[str, Any]) -> dict[str, Any]:
+        _check_json_value(v)
+        if len(repr(v)) > MAX_EVENT_DATA_BYTES:
+            raise ValueError(f"event data larger than {MAX_EVENT_DATA_BYTES} bytes")
+        return v
+
+
+class HeartbeatRequest(Strict):
+    seq: int = Field(..., ge=1, le=2**62, description="strictly increasing per worker; a retry repeats it")
+    acked_directive_version: int = Field(0, ge=0, le=2**31)
+    metrics: dict[MetricName, Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=MAX_METRICS
+    )
+    events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BEAT)
+
+
+class DirectivePatch(Strict):
+    """Fields to change; omitted fields keep their value. Null clears an optional field."""
+
+    compression_bits: Literal[32, 16, 8, 4] | None = None
+    grad_accum_steps: int | None = Field(None, ge=1, le=1024)
+    async_sampling: bool | None = None
+    memory_quota_gb: MemoryGB | None = None
+    memory_ceiling_gb: MemoryGB | None = None
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    snapshot_interval_s: float | None = Field(None, ge=1, le=86400)
+    snapshot_now: str | None = Field(None, max_length=128)
+    sync_priority: int | None = Field(None, ge=-10, le=10)
+    target_device: Name | None = None
+
+
+class TokenCreate(Strict):
+    kind: Literal["pool", "admin"] = "pool"
+    pool: Name | None = None
+    label: str = Field("", max_length=200)
+
+    @model_validator(mode="after")
+    def _pool_for_pool_tokens(self) -> TokenCreate:
+        if self.kind == "pool" and not self.pool:
+            raise ValueError("pool is required for a pool token")
+        if self.kind == "admin" and self.pool:
+            raise ValueError("an admin token has no pool")
+        return self

@@ -1,0 +1,57 @@
+"""Running the app under uvicorn: in the foreground (``dsec serve``) or in a thread (demo, tests)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, **kw: Any) -> uvicorn.Config:
+    # httptools + uvloop when installed (uvicorn[standard]); keep-alive long enough that reporters
+    # reuse their connection between beats.
+    return uvicorn.Config(app, host=host, port=port, log_level=kw.pop("log_level", "warning"),
+                          timeout_keep_alive=kw.pop("timeout_keep_alive", 75), lifespan="on",
+                          access_log=kw.pop("access_log", False), **kw)
+
+
+class ServerThread:
+    """A real uvicorn server on a background thread. ``close()`` shuts it down (lifespan included)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port))
+        self._thread = threading.Thread(target=self.server.run, name="dsec-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("control plane failed to start (see log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError("control plane did not start within 30 s")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> ServerThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""The control plane's hot state: every worker, directive and pool in memory.
+
+Heartbeats read and update this, never the database. ``dirty`` rows are written back in batches by
+``GroupCommitWriter``; what must be durable before an answer (registrations, events, directives) is
+committed through the writer first and applied here after the commit succeeded.
+
+All mutation happens on the event loop thread, so no lock is needed for the dicts themselves; the
+writer thread only calls ``take_dirty`` / ``mark_dirty`` which swap a set under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.control.store import WorkerRow
+from dsec.model import Device, Directive, DirectiveFields, Pool, Role, WorkerInfo, WorkerState
+
+
+@dataclass
+class LiveWorker:
+    id: str
+    info: WorkerInfo
+    state: WorkerState
+    token_hash: str
+    registered_at: float
+    last_beat_at: float
+    last_seq: int
+    acked_version: int
+    beats: int
+    metrics: dict[str, float]
+    directive: Directive
+
+    @property
+    def pool(self) -> str:
+        return self.info.pool
+
+    def row(self) -> WorkerRow:
+        return WorkerRow(
+            id=self.id, pool=self.info.pool, info=info_to_dict(self.info), state=self.state.value,
+            token_hash=self.token_hash, registered_at=self.registered_at, last_beat_at=self.last_beat_at,
+            last_seq=self.last_seq, acked_version=self.acked_version, beats=self.beats,
+            metrics=dict(self.metrics),
+        )
+
+    @classmethod
+    def from_row(cls, row: WorkerRow, directive: Directive) -> LiveWorker:
+        return cls(
+            id=row.id, info=info_from_dict(row.info), state=WorkerState(row.state), token_hash=row.token_hash,
+            registered_at=row.registered_at, last_beat_at=row.last_beat_at, last_seq=row.last_seq,
+            acked_version=row.acked_version, beats=row.beats, metrics=dict(row.metrics),
+            directive=directive,
+        )
+
+    def to_api(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            **info_to_dict(self.info),
+            "state": self.state.value,
+            "registered_at": self.registered_at,
+            "last_beat_at": self.last_beat_at,
+            "last_seq": self.last_seq,
+            "beats": self.beats,
+            "metrics": self.metrics,
+            "directive": {
+                "desired_version": self.directive.version,
+                "acked_version": self.acked_version,
+                "in_sync": self.acked_version == self.directive.version,
+                "desired": self.directive.to_dict(),
+            },
+        }
+
+
+def info_to_dict(info: WorkerInfo) -> dict[str, Any]:
+    return {
+        "pool": info.pool, "role": info.role.value, "group": info.group, "rank": info.rank,
+        "host": info.host, "pid": info.pid, "device": info.device,
+        "heartbeat_interval_s": info.heartbeat_interval_s,
+    }
+
+
+def info_from_dict(d: dict[str, Any] | Any) -> WorkerInfo:
+    return WorkerInfo(
+        pool=d["pool"], role=Role(d["role"]), group=d["group"], rank=int(d["rank"]), host=d["host"],
+        pid=int(d["pid"]), device=d.get("device"), heartbeat_interval_s=float(d["heartbeat_interval_s"]),
+    )
+
+
+@dataclass
+class HotState:
+    pools: dict[str, Pool] = field(default_factory=dict)
+    devices: dict[str, Device] = field(default_factory=dict)
+    workers: dict[str, LiveWorker] = field(default_factory=dict)
+    pool_token_hashes: dict[str, str] = field(default_factory=dict)  # hash -> pool
+    admin_token_hashes: set[str] = field(default_factory=set)
+    worker_token_hashes: dict[str, str] = field(default_factory=dict)  # hash -> worker id
+    # Observed from events, per pool: what the four headline gauges are computed from.
+    meltdowns: Counter[str] = field(default_factory=Counter)
+    last_recovery_s: dict[str, float] = field(default_factory=dict)
+    _dirty: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def mark_dirty(self, *worker_ids: str) -> None:
+        with self._lock:
+            self._dirty.update(worker_ids)
+
+    def take_dirty(self) -> list[WorkerRow]:
+        """Rows to write back now; the caller re-marks them with ``mark_dirty`` if the write fails."""
+        with self._lock:
+            ids, self._dirty = self._dirty, set()
+        return [self.workers[i].row() for i in ids if i in self.workers]
+
+    def directive_for_new_worker(self, worker_id: str, pool: Pool, now: float) -> Directive:
+        return Directive(worker_id=worker_id, version=1, fields=DirectiveFields.for_pool(pool), updated_at=now)

@@ -1,0 +1,106 @@
+"""The store contract: what the control plane persists, and the exceptions it raises.
+
+Implementations are chosen by URL scheme from ``dsec.control.store.open_store`` (SQLite by default,
+any SQLAlchemy URL via DSEC_DATABASE_URL). One contract test suite runs against every backend.
+
+Exceptions::
+
+    StoreError
+     ├── StoreUnavailable    the database cannot be reached or opened
+     └── StoreConflict       a write contradicts stored state (e.g. duplicate id)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dsec.model import Device, Directive, Event, EventType, Pool
+
+
+class StoreError(Exception):
+    """Base of all store errors."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached, opened or migrated."""
+
+
+class StoreConflict(StoreError):
+    """A write contradicts what is stored."""
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """The persisted view of one worker (the hot copy lives in memory and is flushed in batches)."""
+
+    id: str
+    pool: str
+    info: Mapping[str, Any]
+    state: str
+    token_hash: str
+    registered_at: float
+    last_beat_at: float
+    last_seq: int
+    acked_version: int
+    beats: int
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    token_hash: str
+    pool: str | None  # None for admin tokens
+    kind: str  # "admin" | "pool"
+    label: str
+    created_at: float
+
+
+@dataclass
+class WriteBatch:
+    """Everything written in one transaction (group commit)."""
+
+    workers: list[WorkerRow] = field(default_factory=list)
+    directives: list[Directive] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.workers or self.directives or self.events)
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    worker_id: str | None = None
+    pool: str | None = None
+    types: Sequence[EventType] = ()
+    since: float | None = None
+    until: float | None = None
+    after_id: int = 0
+    limit: int = 100
+
+
+class Store(Protocol):
+    """Synchronous persistence API; the control plane calls it from its writer thread and threadpool."""
+
+    def migrate(self) -> None: ...
+    def close(self) -> None: ...
+
+    def put_pool(self, pool: Pool, now: float) -> None: ...
+    def delete_pool(self, name: str) -> bool: ...
+    def list_pools(self) -> list[Pool]: ...
+
+    def put_devices(self, devices: Iterable[Device], now: float) -> None: ...
+    def list_devices(self) -> list[Device]: ...
+
+    def write(self, batch: WriteBatch) -> list[int]:
+        """Write a batch atomically; returns the ids given to ``batch.events`` in order."""
+        ...
+
+    def list_workers(self) -> list[WorkerRow]: ...
+    def list_directives(self) -> list[Directive]: ...
+    def query_events(self, query: EventQuery) -> list[Event]: ...
+    def count_events(self) -> int: ...
+
+    def put_token(self, token: TokenRow) -> None: ...
+    def list_tokens(self) -> list[TokenRow]: ...

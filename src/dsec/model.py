@@ -1,0 +1,314 @@
+"""Domain types shared by every layer: pools, devices, workers, directives, events.
+
+Frozen dataclasses with validation on construction. Nothing here imports a web framework, a
+database driver or torch; the control plane translates these to and from its wire schemas and
+its tables, the probe to and from its transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+class ModelError(ValueError):
+    """A domain value is out of range; the message names the field and the accepted values."""
+
+
+class Role(str, enum.Enum):
+    """What a worker does in the RL job."""
+
+    ACTOR = "actor"
+    LEARNER = "learner"
+    OTHER = "other"
+
+
+class WorkerState(str, enum.Enum):
+    """Liveness of a registered worker, as the control plane sees it.
+
+    ACTIVE: heartbeats arrive within the allowed interval.
+    LOST: missed ``lost_after_beats`` consecutive beats; directives are kept, it may come back.
+    DEREGISTERED: left cleanly; terminal.
+    """
+
+    ACTIVE = "active"
+    LOST = "lost"
+    DEREGISTERED = "deregistered"
+
+
+class DeviceHealth(str, enum.Enum):
+    """Health of a device as judged by the scheduler (issue: device health)."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    DRAINED = "drained"
+    PROBATION = "probation"
+
+
+class EventType(str, enum.Enum):
+    """Every kind of event the control plane records. Workers may only send the worker-side kinds."""
+
+    REGISTERED = "registered"
+    DEREGISTERED = "deregistered"
+    LOST = "lost"
+    REJOINED = "rejoined"
+    DIRECTIVE_SET = "directive_set"
+    DIRECTIVE_ACKED = "directive_acked"
+    MELTDOWN = "meltdown"
+    RECOVERED = "recovered"
+    SNAPSHOT = "snapshot"
+    RESTORE = "restore"
+    POLICY_ACTION = "policy_action"
+    ALERT = "alert"
+    ANOMALY = "anomaly"
+    LOG = "log"
+    POOL_CHANGED = "pool_changed"
+
+
+#: Event kinds a worker may report in a heartbeat; the rest are decided by the control plane.
+WORKER_EVENT_TYPES = frozenset(
+    {EventType.SNAPSHOT, EventType.RESTORE, EventType.ALERT, EventType.ANOMALY, EventType.LOG}
+)
+
+COMPRESSION_BITS = (32, 16, 8, 4)
+PRECISIONS = ("fp32", "bf16", "fp16")
+# Sizes beyond this are typos (a TB instead of a GB), not hardware.
+MAX_MEMORY_GB = 4096.0
+
+
+def _check(cond: bool, name: str, value: object, accepted: str) -> None:
+    if not cond:
+        raise ModelError(f"{name}={value!r} is invalid: expected {accepted}")
+
+
+def _finite_nonneg(name: str, value: float, upper: float) -> None:
+    _check(
+        isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= upper,
+        name,
+        value,
+        f"a finite number in [0, {upper:g}]",
+    )
+
+
+@dataclass(frozen=True)
+class PoolThresholds:
+    """The breaker's two caps for a pool (per-worker overrides come later)."""
+
+    bandwidth_cap_mbps: float = 128.0
+    latency_cap_ms: float = 85.0
+
+    def __post_init__(self) -> None:
+        _check(self.bandwidth_cap_mbps > 0, "bandwidth_cap_mbps", self.bandwidth_cap_mbps, "> 0")
+        _check(self.latency_cap_ms > 0, "latency_cap_ms", self.latency_cap_ms, "> 0")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A sandbox pool: a set of devices and the limits its workers run under."""
+
+    name: str
+    devices: tuple[str, ...] = ()
+    thresholds: PoolThresholds = field(default_factory=PoolThresholds)
+    memory_base_gb: float = 7.0
+    memory_ceiling_gb: float = 12.0
+    snapshot_interval_s: float = 90.0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", self.name, "a non-empty pool name")
+        _finite_nonneg("memory_base_gb", self.memory_base_gb, MAX_MEMORY_GB)
+        _finite_nonneg("memory_ceiling_gb", self.memory_ceiling_gb, MAX_MEMORY_GB)
+        _check(
+            self.memory_ceiling_gb >= self.memory_base_gb,
+            "memory_ceiling_gb",
+            self.memory_ceiling_gb,
+            f">= memory_base_gb ({self.memory_base_gb:g})",
+        )
+        _check(self.snapshot_interval_s > 0, "snapshot_interval_s", self.snapshot_interval_s, "> 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "devices": list(self.devices),
+            "thresholds": {
+                "bandwidth_cap_mbps": self.thresholds.bandwidth_cap_mbps,
+                "latency_cap_ms": self.thresholds.latency_cap_ms,
+            },
+            "memory_base_gb": self.memory_base_gb,
+            "memory_ceiling_gb": self.memory_ceiling_gb,
+            "snapshot_interval_s": self.snapshot_interval_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Pool:
+        thresholds = data.get("thresholds") or {}
+        return cls(
+            name=data["name"],
+            devices=tuple(data.get("devices") or ()),
+            thresholds=PoolThresholds(**thresholds),
+            memory_base_gb=float(data.get("memory_base_gb", 7.0)),
+            memory_ceiling_gb=float(data.get("memory_ceiling_gb", 12.0)),
+            snapshot_interval_s=float(data.get("snapshot_interval_s", 90.0)),
+        )
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or a simulated one) and where it sits in the machine."""
+
+    id: str
+    node: str
+    model: str = "unknown"
+    memory_gb: float = 0.0
+    numa_node: int = -1  # -1: unknown, as /sys reports for single-node machines
+    nvlink_peers: tuple[str, ...] = ()
+    health: DeviceHealth = DeviceHealth.HEALTHY
+    pool: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.id), "id", self.id, "a non-empty device id")
+        _finite_nonneg("memory_gb", self.memory_gb, MAX_MEMORY_GB)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "node": self.node,
+            "model": self.model,
+            "memory_gb": self.memory_gb,
+            "numa_node": self.numa_node,
+            "nvlink_peers": list(self.nvlink_peers),
+            "health": self.health.value,
+            "pool": self.pool,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Device:
+        return cls(
+            id=data["id"],
+            node=data["node"],
+            model=data.get("model", "unknown"),
+            memory_gb=float(data.get("memory_gb", 0.0)),
+            numa_node=int(data.get("numa_node", -1)),
+            nvlink_peers=tuple(data.get("nvlink_peers") or ()),
+            health=DeviceHealth(data.get("health", "healthy")),
+            pool=data.get("pool"),
+        )
+
+
+@dataclass(frozen=True)
+class DirectiveFields:
+    """What the control plane wants a worker to do. Every field is applied by the probe at a safe point."""
+
+    compression_bits: int = 32
+    grad_accum_steps: int = 1
+    async_sampling: bool = True
+    memory_quota_gb: float | None = None
+    memory_ceiling_gb: float | None = None
+    precision: str = "fp32"
+    snapshot_interval_s: float | None = None
+    snapshot_now: str | None = None  # request id; a new id asks for one more snapshot
+    sync_priority: int = 0
+    target_device: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.compression_bits in COMPRESSION_BITS, "compression_bits", self.compression_bits,
+               f"one of {list(COMPRESSION_BITS)}")
+        _check(1 <= self.grad_accum_steps <= 1024, "grad_accum_steps", self.grad_accum_steps, "1..1024")
+        _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {list(PRECISIONS)}")
+        _check(-10 <= self.sync_priority <= 10, "sync_priority", self.sync_priority, "-10..10")
+        for name in ("memory_quota_gb", "memory_ceiling_gb"):
+            value = getattr(self, name)
+            if value is not None:
+                _finite_nonneg(name, value, MAX_MEMORY_GB)
+        if self.snapshot_interval_s is not None:
+            _check(
+                math.isfinite(self.snapshot_interval_s) and 1 <= self.snapshot_interval_s <= 86400,
+                "snapshot_interval_s", self.snapshot_interval_s, "1..86400 seconds",
+            )
+        if self.memory_quota_gb is not None and self.memory_ceiling_gb is not None:
+            _check(self.memory_ceiling_gb >= self.memory_quota_gb, "memory_ceiling_gb",
+                   self.memory_ceiling_gb, f">= memory_quota_gb ({self.memory_quota_gb:g})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DirectiveFields:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ModelError(f"unknown directive field(s) {unknown}: expected some of {sorted(known)}")
+        return cls(**dict(data))
+
+    def merged(self, patch: Mapping[str, Any]) -> DirectiveFields:
+        """A copy with ``patch`` applied, validated as a whole."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(patch) - known)
+        if unknown:
+            raise ModelError(f"unknown directive field(s) {unknown}: expected some of {sorted(known)}")
+        return replace(self, **dict(patch))
+
+    @classmethod
+    def for_pool(cls, pool: Pool) -> DirectiveFields:
+        return cls(
+            memory_quota_gb=pool.memory_base_gb,
+            memory_ceiling_gb=pool.memory_ceiling_gb,
+            snapshot_interval_s=pool.snapshot_interval_s,
+        )
+
+
+@dataclass(frozen=True)
+class Directive:
+    """A versioned directive. The worker acks the version it applied; until then it is only desired."""
+
+    worker_id: str
+    version: int
+    fields: DirectiveFields
+    updated_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "updated_at": self.updated_at, **self.fields.to_dict()}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker says about itself when it registers."""
+
+    pool: str
+    role: Role = Role.OTHER
+    group: str = "default"
+    rank: int = 0
+    host: str = ""
+    pid: int = 0
+    device: str | None = None
+    heartbeat_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "rank", self.rank, ">= 0")
+        _check(self.pid >= 0, "pid", self.pid, ">= 0")
+        _check(0.05 <= self.heartbeat_interval_s <= 3600, "heartbeat_interval_s",
+               self.heartbeat_interval_s, "0.05..3600 seconds")
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened, recorded durably. ``id`` is assigned by the store (monotonic)."""
+
+    ts: float
+    type: EventType
+    worker_id: str | None = None
+    pool: str | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "ts": self.ts,
+            "type": self.type.value,
+            "worker_id": self.worker_id,
+            "pool": self.pool,
+            "data": dict(self.data),
+        }

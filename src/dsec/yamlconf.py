@@ -1,0 +1,102 @@
+"""YAML loading that remembers where every value came from, so config errors name file, line and column.
+
+Used by the cluster file loader now and by the policy engine later. Validation itself is pydantic's;
+this module only maps an error's location (``("pools", 2, "memory_base_gb")``) back to the source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+Loc = tuple[str | int, ...]
+
+
+class ConfigError(ValueError):
+    """A config file is unreadable or invalid. ``str()`` is ``file:line:col: field: message`` per problem."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Marked:
+    data: Any
+    marks: dict[Loc, tuple[int, int]]  # location -> (line, column), both 1-based
+
+
+def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]]) -> Any:
+    marks[loc] = (node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) \
+                else key_node.value
+            if key in out:
+                line = key_node.start_mark.line + 1
+                raise ConfigError([f"<>:{line}:{key_node.start_mark.column + 1}: duplicate key {key!r}"])
+            out[key] = _walk(value_node, (*loc, key), marks)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_walk(item, (*loc, i), marks) for i, item in enumerate(node.value)]
+    # Scalars: let the safe loader resolve the type (int, float, bool, null, str) from the tag.
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def load_marked(text: str, source: str = "<string>") -> Marked:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise ConfigError([f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}"]) from exc
+    if node is None:
+        return Marked({}, {(): (1, 1)})
+    marks: dict[Loc, tuple[int, int]] = {}
+    try:
+        data = _walk(node, (), marks)
+    except ConfigError as exc:
+        raise ConfigError([p.replace("<>", source, 1) for p in exc.problems]) from None
+    return Marked(data, marks)
+
+
+def locate(marks: dict[Loc, tuple[int, int]], loc: Loc) -> tuple[int, int]:
+    """The position of ``loc`` or of its nearest ancestor present in the file."""
+    while loc not in marks and loc:
+        loc = loc[:-1]
+    return marks.get(loc, (1, 1))
+
+
+def format_loc(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+def validate(model: type[M], marked: Marked, source: str) -> M:
+    try:
+        return model.model_validate(marked.data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            line, col = locate(marked.marks, loc)
+            problems.append(f"{source}:{line}:{col}: {format_loc(loc)}: {err['msg']}")
+        raise ConfigError(problems) from None
+
+
+def load_file(model: type[M], path: str | Path) -> M:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError([f"{p}: cannot read: {exc.strerror}"]) from exc
+    return validate(model, load_marked(text, str(p)), str(p))
