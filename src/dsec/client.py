@@ -35,8 +35,13 @@ class Unreachable(ClientError):
 class Client:
     """One keep-alive connection pool to a control plane. ``close()`` or use as a context manager."""
 
-    def __init__(self, endpoint: str, token: str | None = None, timeout: float = 5.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        token: str | None = None,
+        timeout: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.token = token
         self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport)
@@ -50,8 +55,15 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
-                token: str | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        token: str | None = None,
+    ) -> Any:
         tok = token or self.token
         headers = {"Authorization": f"Bearer {tok}"} if tok else {}
         try:
@@ -63,8 +75,12 @@ class Client:
                 body = resp.json()
             except ValueError:
                 body = {}
-            raise ApiError(resp.status_code, str(body.get("error", "http_error")),
-                           str(body.get("message", resp.text[:200])), body.get("field"))
+            raise ApiError(
+                resp.status_code,
+                str(body.get("error", "http_error")),
+                str(body.get("message", resp.text[:200])),
+                body.get("field"),
+            )
         if resp.status_code == 204 or not resp.content:
             return None
         if resp.headers.get("content-type", "").startswith("application/json"):
@@ -72,23 +88,51 @@ class Client:
         return resp.text
 
     # -- worker protocol -------------------------------------------------------------------------
-    def register(self, pool: str, *, role: str = "other", group: str = "default", rank: int = 0,
-                 host: str = "", pid: int = 0, device: str | None = None,
-                 heartbeat_interval_s: float = 5.0, token: str | None = None) -> dict[str, Any]:
-        body = {"pool": pool, "role": role, "group": group, "rank": rank, "host": host, "pid": pid,
-                "device": device, "heartbeat_interval_s": heartbeat_interval_s}
+    def register(
+        self,
+        pool: str,
+        *,
+        role: str = "other",
+        group: str = "default",
+        rank: int = 0,
+        host: str = "",
+        pid: int = 0,
+        device: str | None = None,
+        heartbeat_interval_s: float = 5.0,
+        token: str | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "pool": pool,
+            "role": role,
+            "group": group,
+            "rank": rank,
+            "host": host,
+            "pid": pid,
+            "device": device,
+            "heartbeat_interval_s": heartbeat_interval_s,
+        }
         return dict(self.request("POST", "/v1/workers/register", json=body, token=token))
 
-    def heartbeat(self, worker_id: str, seq: int, *, acked_directive_version: int = 0,
-                  metrics: Mapping[str, float] | None = None, events: Sequence[Mapping[str, Any]] = (),
-                  token: str | None = None) -> dict[str, Any]:
-        body = {"seq": seq, "acked_directive_version": acked_directive_version,
-                "metrics": dict(metrics or {}), "events": list(events)}
+    def heartbeat(
+        self,
+        worker_id: str,
+        seq: int,
+        *,
+        acked_directive_version: int = 0,
+        metrics: Mapping[str, float] | None = None,
+        events: Sequence[Mapping[str, Any]] = (),
+        token: str | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "seq": seq,
+            "acked_directive_version": acked_directive_version,
+            "metrics": dict(metrics or {}),
+            "events": list(events),
+        }
         return dict(self.request("POST", f"/v1/workers/{worker_id}/heartbeat", json=body, token=token))
 
     def deregister(self, worker_id: str, reason: str = "exit", token: str | None = None) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/workers/{worker_id}/deregister", params={"reason": reason},
-                                 token=token))
+        return dict(self.request("POST", f"/v1/workers/{worker_id}/deregister", params={"reason": reason}, token=token))
 
     # -- admin -----------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -113,9 +157,17 @@ class Client:
     def put_pool(self, name: str, **spec: Any) -> dict[str, Any]:
         return dict(self.request("PUT", f"/v1/pools/{name}", json=spec))
 
-    def events(self, *, worker_id: str | None = None, pool: str | None = None,
-               types: Sequence[str] = (), since: float | None = None, until: float | None = None,
-               cursor: int = 0, limit: int = 100) -> dict[str, Any]:
+    def events(
+        self,
+        *,
+        worker_id: str | None = None,
+        pool: str | None = None,
+        types: Sequence[str] = (),
+        since: float | None = None,
+        until: float | None = None,
+        cursor: int = 0,
+        limit: int = 100,
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {"cursor": cursor, "limit": limit}
         for key, value in (("worker_id", worker_id), ("pool", pool), ("since", since), ("until", until)):
             if value is not None:

@@ -213,8 +213,12 @@ class DirectiveFields:
     target_device: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.compression_bits in COMPRESSION_BITS, "compression_bits", self.compression_bits,
-               f"one of {list(COMPRESSION_BITS)}")
+        _check(
+            self.compression_bits in COMPRESSION_BITS,
+            "compression_bits",
+            self.compression_bits,
+            f"one of {list(COMPRESSION_BITS)}",
+        )
         _check(1 <= self.grad_accum_steps <= 1024, "grad_accum_steps", self.grad_accum_steps, "1..1024")
         _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {list(PRECISIONS)}")
         _check(-10 <= self.sync_priority <= 10, "sync_priority", self.sync_priority, "-10..10")
@@ -225,11 +229,17 @@ class DirectiveFields:
         if self.snapshot_interval_s is not None:
             _check(
                 math.isfinite(self.snapshot_interval_s) and 1 <= self.snapshot_interval_s <= 86400,
-                "snapshot_interval_s", self.snapshot_interval_s, "1..86400 seconds",
+                "snapshot_interval_s",
+                self.snapshot_interval_s,
+                "1..86400 seconds",
             )
         if self.memory_quota_gb is not None and self.memory_ceiling_gb is not None:
-            _check(self.memory_ceiling_gb >= self.memory_quota_gb, "memory_ceiling_gb",
-                   self.memory_ceiling_gb, f">= memory_quota_gb ({self.memory_quota_gb:g})")
+            _check(
+                self.memory_ceiling_gb >= self.memory_quota_gb,
+                "memory_ceiling_gb",
+                self.memory_ceiling_gb,
+                f">= memory_quota_gb ({self.memory_quota_gb:g})",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -288,8 +298,12 @@ class WorkerInfo:
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "rank", self.rank, ">= 0")
         _check(self.pid >= 0, "pid", self.pid, ">= 0")
-        _check(0.05 <= self.heartbeat_interval_s <= 3600, "heartbeat_interval_s",
-               self.heartbeat_interval_s, "0.05..3600 seconds")
+        _check(
+            0.05 <= self.heartbeat_interval_s <= 3600,
+            "heartbeat_interval_s",
+            self.heartbeat_interval_s,
+            "0.05..3600 seconds",
+        )
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,11 @@ def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]]) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
-            key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) \
+            key = (
+                yaml.safe_load(yaml.serialize(key_node))
+                if not isinstance(key_node, yaml.ScalarNode)
                 else key_node.value
+            )
             if key in out:
                 line = key_node.start_mark.line + 1
                 raise ConfigError([f"<>:{line}:{key_node.start_mark.column + 1}: duplicate key {key!r}"])

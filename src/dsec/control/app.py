@@ -56,9 +56,16 @@ def pool_from_spec(name: str, spec: Any) -> Pool:
 
 
 def device_from_spec(spec: DeviceSpec) -> Device:
-    return Device(id=spec.id, node=spec.node, model=spec.model, memory_gb=spec.memory_gb,
-                  numa_node=spec.numa_node, nvlink_peers=tuple(spec.nvlink_peers),
-                  health=DeviceHealth(spec.health), pool=spec.pool)
+    return Device(
+        id=spec.id,
+        node=spec.node,
+        model=spec.model,
+        memory_gb=spec.memory_gb,
+        numa_node=spec.numa_node,
+        nvlink_peers=tuple(spec.nvlink_peers),
+        health=DeviceHealth(spec.health),
+        pool=spec.pool,
+    )
 
 
 def load_cluster(path: Any) -> tuple[list[Pool], list[Device]]:
@@ -80,8 +87,9 @@ def worker_routes() -> APIRouter:
         return JSON(await _cp(request).register(body, bearer(authorization)), status_code=201)
 
     @r.post("/{worker_id}/heartbeat")
-    async def heartbeat(worker_id: WorkerId, body: HeartbeatRequest, request: Request,
-                        authorization: Auth = None) -> Response:
+    async def heartbeat(
+        worker_id: WorkerId, body: HeartbeatRequest, request: Request, authorization: Auth = None
+    ) -> Response:
         """Report a batch of metric summaries and events; answers the directive when its version changed."""
         cp = _cp(request)
         w = cp.worker_for(worker_id, bearer(authorization))
@@ -91,19 +99,29 @@ def worker_routes() -> APIRouter:
         return JSON(answer)
 
     @r.post("/{worker_id}/deregister")
-    async def deregister(worker_id: WorkerId, request: Request, authorization: Auth = None,
-                         reason: Annotated[str, Query(max_length=200)] = "exit") -> Response:
+    async def deregister(
+        worker_id: WorkerId,
+        request: Request,
+        authorization: Auth = None,
+        reason: Annotated[str, Query(max_length=200)] = "exit",
+    ) -> Response:
         cp = _cp(request)
         return JSON(await cp.deregister(cp.worker_for(worker_id, bearer(authorization)), reason))
 
     @r.get("")
-    async def list_workers(request: Request, authorization: Auth = None,
-                           pool: Annotated[str | None, Query(max_length=128)] = None,
-                           state: WorkerState | None = None) -> Response:
+    async def list_workers(
+        request: Request,
+        authorization: Auth = None,
+        pool: Annotated[str | None, Query(max_length=128)] = None,
+        state: WorkerState | None = None,
+    ) -> Response:
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
-        ws = [w.to_api() for w in cp.state.workers.values()
-              if (pool is None or w.pool == pool) and (state is None or w.state is state)]
+        ws = [
+            w.to_api()
+            for w in cp.state.workers.values()
+            if (pool is None or w.pool == pool) and (state is None or w.state is state)
+        ]
         ws.sort(key=lambda w: (w["pool"], w["group"], w["rank"], w["id"]))
         return JSON({"items": ws})
 
@@ -120,8 +138,9 @@ def worker_routes() -> APIRouter:
         return JSON(w.to_api()["directive"])
 
     @r.patch("/{worker_id}/directive")
-    async def patch_directive(worker_id: WorkerId, body: DirectivePatch, request: Request,
-                              authorization: Auth = None) -> Response:
+    async def patch_directive(
+        worker_id: WorkerId, body: DirectivePatch, request: Request, authorization: Auth = None
+    ) -> Response:
         """Change directive fields; the version goes up by one and the worker gets it on its next beat."""
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
@@ -174,8 +193,9 @@ def admin_routes() -> APIRouter:
         return JSON({"items": [d.to_dict() for d in sorted(cp.state.devices.values(), key=lambda d: d.id)]})
 
     @r.put("/devices/{device_id}")
-    async def put_device(device_id: PoolName, body: DeviceSpec, request: Request,
-                         authorization: Auth = None) -> Response:
+    async def put_device(
+        device_id: PoolName, body: DeviceSpec, request: Request, authorization: Auth = None
+    ) -> Response:
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
         if body.id != device_id:
@@ -188,7 +208,7 @@ def admin_routes() -> APIRouter:
         authorization: Auth = None,
         worker_id: Annotated[str | None, Query(max_length=64)] = None,
         pool: Annotated[str | None, Query(max_length=128)] = None,
-        type: Annotated[list[EventType] | None, Query()] = None,  # noqa: A002 - the wire name
+        type: Annotated[list[EventType] | None, Query()] = None,
         since: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
         until: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
         cursor: Annotated[int, Query(ge=0, description="next_cursor of the previous page")] = 0,
@@ -197,8 +217,15 @@ def admin_routes() -> APIRouter:
         """Events filtered by worker, pool, type and time range [since, until); keyset-paginated."""
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
-        q = EventQuery(worker_id=worker_id, pool=pool, types=tuple(type or ()), since=since, until=until,
-                       after_id=cursor, limit=limit)
+        q = EventQuery(
+            worker_id=worker_id,
+            pool=pool,
+            types=tuple(type or ()),
+            since=since,
+            until=until,
+            after_id=cursor,
+            limit=limit,
+        )
         items = await asyncio.to_thread(cp.store.query_events, q)
         next_cursor = items[-1].id if len(items) == limit else None
         return JSON({"items": [e.to_dict() for e in items], "next_cursor": next_cursor})
@@ -248,8 +275,7 @@ def ops_routes() -> APIRouter:
     return r
 
 
-def create_app(settings: Settings, store: Store | None = None,
-               clock: Callable[[], float] = time.time) -> FastAPI:
+def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
     """Build the app. Opens (and migrates) the store now, so a bad database URL fails here, loudly."""
     owned_store = store is None
     store = store or open_store(settings.database_url)
@@ -271,8 +297,12 @@ def create_app(settings: Settings, store: Store | None = None,
             if owned_store:
                 store.close()
 
-    app = FastAPI(title="DSec control plane", version=__version__, lifespan=lifespan,
-                  description="Worker protocol and admin API; see docs/protocol.md.")
+    app = FastAPI(
+        title="DSec control plane",
+        version=__version__,
+        lifespan=lifespan,
+        description="Worker protocol and admin API; see docs/protocol.md.",
+    )
     app.state.cp = cp
     app.state.settings = settings
     app.state.metrics = ControlPlaneMetrics(cp)

@@ -46,8 +46,7 @@ def validation_error_response(exc: RequestValidationError) -> JSON:
         details.append({"field": field, "message": msg, "type": err.get("type")})
     first = details[0] if details else {"field": "body", "message": "invalid request"}
     message = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
-    return JSON({"error": "invalid", "message": message, "field": first["field"], "details": details},
-                status_code=422)
+    return JSON({"error": "invalid", "message": message, "field": first["field"], "details": details}, status_code=422)
 
 
 async def api_error_handler(_request: Request, exc: Exception) -> Response:
@@ -69,13 +68,21 @@ class BodyLimitAndMetrics:
         self.metrics = metrics
 
     async def _reject(self, send: Send, size: str) -> None:
-        body = orjson.dumps({
-            "error": "too_large", "field": "body",
-            "message": f"request body of {size} bytes exceeds the limit of {self.max} bytes", "details": [],
-        })
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = orjson.dumps(
+            {
+                "error": "too_large",
+                "field": "body",
+                "message": f"request body of {size} bytes exceeds the limit of {self.max} bytes",
+                "details": [],
+            }
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -112,17 +119,7 @@ class BodyLimitAndMetrics:
                     chunks.append(message.get("body", b""))
                     if not message.get("more_body", False):
                         break
-                body = b"".join(chunks)
-                replayed = False
-
-                async def replay() -> Message:
-                    nonlocal replayed
-                    if not replayed:
-                        replayed = True
-                        return {"type": "http.request", "body": body, "more_body": False}
-                    return await receive()
-
-                receive = replay
+                receive = _replay(b"".join(chunks), receive)
 
         async def tracking_send(message: Message) -> None:
             nonlocal status
@@ -140,3 +137,17 @@ class BodyLimitAndMetrics:
         template = getattr(route, "path", None) or "unmatched"
         self.metrics.requests.labels(template, scope.get("method", ""), str(status)).inc()
         self.metrics.latency.labels(template).observe(time.perf_counter() - start)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive callable that yields the already-read ``body`` once, then defers to ``receive``."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -29,6 +29,7 @@ from dsec.model import WorkerState
 
 if TYPE_CHECKING:
     from dsec.control.service import ControlPlane
+    from dsec.control.state import LiveWorker
 
 
 class PoolCollector(Collector):
@@ -60,12 +61,13 @@ class PoolCollector(Collector):
             "Entries into degradation (breaker meltdowns) in the pool since the store was created; only grows.",
             labels=["pool"],
         )
-        workers = GaugeMetricFamily("dsec_workers", "Registered workers by pool and state.",
-                                    labels=["pool", "state"])
-        pending = GaugeMetricFamily("dsec_directives_pending",
-                                    "Active workers whose desired directive version is not acked yet.",
-                                    labels=["pool"])
-        by_pool: dict[str, list] = {name: [] for name in st.pools}
+        workers = GaugeMetricFamily("dsec_workers", "Registered workers by pool and state.", labels=["pool", "state"])
+        pending = GaugeMetricFamily(
+            "dsec_directives_pending",
+            "Active workers whose desired directive version is not acked yet.",
+            labels=["pool"],
+        )
+        by_pool: dict[str, list[LiveWorker]] = {name: [] for name in st.pools}
         for w in list(st.workers.values()):
             by_pool.setdefault(w.pool, []).append(w)
         for pool, ws in sorted(by_pool.items()):
@@ -94,13 +96,18 @@ class ControlPlaneMetrics:
         PlatformCollector(registry=self.registry)
         self.registry.register(PoolCollector(cp))
         self.requests = Counter(
-            "dsec_http_requests_total", "HTTP requests by route template, method and status.",
-            ["route", "method", "status"], registry=self.registry,
+            "dsec_http_requests_total",
+            "HTTP requests by route template, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "dsec_http_request_duration_seconds", "HTTP request latency by route template.", ["route"],
+            "dsec_http_request_duration_seconds",
+            "HTTP request latency by route template.",
+            ["route"],
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=self.registry,
         )
-        self.heartbeats = Counter("dsec_heartbeats_total", "Heartbeats applied, by pool.", ["pool"],
-                                  registry=self.registry)
+        self.heartbeats = Counter(
+            "dsec_heartbeats_total", "Heartbeats applied, by pool.", ["pool"], registry=self.registry
+        )

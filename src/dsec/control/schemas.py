@@ -37,7 +37,7 @@ class Thresholds(Strict):
 class PoolSpec(Strict):
     name: Name
     devices: list[Name] = Field(default_factory=list, max_length=4096)
-    thresholds: Thresholds = Field(default_factory=Thresholds)
+    thresholds: Thresholds = Field(default_factory=lambda: Thresholds())
     memory_base_gb: MemoryGB = 7.0
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
@@ -46,8 +46,7 @@ class PoolSpec(Strict):
     def _ceiling_above_base(self) -> PoolSpec:
         if self.memory_ceiling_gb < self.memory_base_gb:
             raise ValueError(
-                f"memory_ceiling_gb ({self.memory_ceiling_gb:g}) must be >= memory_base_gb "
-                f"({self.memory_base_gb:g})"
+                f"memory_ceiling_gb ({self.memory_ceiling_gb:g}) must be >= memory_base_gb ({self.memory_base_gb:g})"
             )
         return self
 
@@ -56,7 +55,7 @@ class PoolUpdate(Strict):
     """Body of PUT /v1/pools/{name}: a PoolSpec whose name comes from the path."""
 
     devices: list[Name] = Field(default_factory=list, max_length=4096)
-    thresholds: Thresholds = Field(default_factory=Thresholds)
+    thresholds: Thresholds = Field(default_factory=lambda: Thresholds())
     memory_base_gb: MemoryGB = 7.0
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)

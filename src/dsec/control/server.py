@@ -20,9 +20,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 def uvicorn_config(app: FastAPI, host: str, port: int, **kw: Any) -> uvicorn.Config:
     # httptools + uvloop when installed (uvicorn[standard]); keep-alive long enough that reporters
     # reuse their connection between beats.
-    return uvicorn.Config(app, host=host, port=port, log_level=kw.pop("log_level", "warning"),
-                          timeout_keep_alive=kw.pop("timeout_keep_alive", 75), lifespan="on",
-                          access_log=kw.pop("access_log", False), **kw)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=kw.pop("log_level", "warning"),
+        timeout_keep_alive=kw.pop("timeout_keep_alive", 75),
+        lifespan="on",
+        access_log=kw.pop("access_log", False),
+        **kw,
+    )
 
 
 class ServerThread:

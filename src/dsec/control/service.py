@@ -144,7 +144,9 @@ class ControlPlane:
         if owner is not None:
             raise errors.forbidden(
                 f"this token belongs to worker {owner.id!r} (pool {owner.pool!r}); a worker reports only as "
-                f"itself, not as worker_id {worker_id!r} (pool {w.pool!r})", "worker_id")
+                f"itself, not as worker_id {worker_id!r} (pool {w.pool!r})",
+                "worker_id",
+            )
         if h in self.state.pool_token_hashes:
             raise errors.forbidden("a pool token registers workers; heartbeats need the worker's own token")
         raise errors.forbidden("unknown token")
@@ -164,15 +166,37 @@ class ControlPlane:
         now = self.clock()
         worker_id = f"w-{uuid.uuid4().hex[:12]}"
         worker_token = auth.new_token(auth.WORKER_PREFIX)
-        info = WorkerInfo(pool=req.pool, role=req.role, group=req.group, rank=req.rank, host=req.host,
-                          pid=req.pid, device=req.device, heartbeat_interval_s=req.heartbeat_interval_s)
+        info = WorkerInfo(
+            pool=req.pool,
+            role=req.role,
+            group=req.group,
+            rank=req.rank,
+            host=req.host,
+            pid=req.pid,
+            device=req.device,
+            heartbeat_interval_s=req.heartbeat_interval_s,
+        )
         directive = self.state.directive_for_new_worker(worker_id, pool, now)
-        w = LiveWorker(id=worker_id, info=info, state=WorkerState.ACTIVE,
-                       token_hash=auth.hash_token(worker_token), registered_at=now, last_beat_at=now,
-                       last_seq=0, acked_version=0, beats=0, metrics={}, directive=directive)
-        ev = Event(ts=now, type=EventType.REGISTERED, worker_id=worker_id, pool=req.pool,
-                   data={"role": req.role.value, "group": req.group, "rank": req.rank, "host": req.host,
-                         "pid": req.pid})
+        w = LiveWorker(
+            id=worker_id,
+            info=info,
+            state=WorkerState.ACTIVE,
+            token_hash=auth.hash_token(worker_token),
+            registered_at=now,
+            last_beat_at=now,
+            last_seq=0,
+            acked_version=0,
+            beats=0,
+            metrics={},
+            directive=directive,
+        )
+        ev = Event(
+            ts=now,
+            type=EventType.REGISTERED,
+            worker_id=worker_id,
+            pool=req.pool,
+            data={"role": req.role.value, "group": req.group, "rank": req.rank, "host": req.host, "pid": req.pid},
+        )
         await self._commit(WriteBatch(workers=[w.row()], directives=[directive], events=[ev]))
         self.state.workers[worker_id] = w
         self.state.worker_token_hashes[w.token_hash] = worker_id
@@ -197,8 +221,11 @@ class ControlPlane:
             )
         if req.acked_directive_version > w.directive.version:
             raise errors.ApiError(
-                422, "invalid", f"acked_directive_version {req.acked_directive_version} was never issued "
-                f"(latest is {w.directive.version})", "acked_directive_version",
+                422,
+                "invalid",
+                f"acked_directive_version {req.acked_directive_version} was never issued "
+                f"(latest is {w.directive.version})",
+                "acked_directive_version",
             )
         was_lost = w.state is WorkerState.LOST
         metrics = {**w.metrics, **req.metrics} if req.metrics else w.metrics
@@ -208,18 +235,39 @@ class ControlPlane:
             for e in req.events
         ]
         if was_lost:
-            events.append(Event(ts=now, type=EventType.REJOINED, worker_id=w.id, pool=w.pool,
-                                data={"silent_s": round(now - w.last_beat_at, 3)}))
+            events.append(
+                Event(
+                    ts=now,
+                    type=EventType.REJOINED,
+                    worker_id=w.id,
+                    pool=w.pool,
+                    data={"silent_s": round(now - w.last_beat_at, 3)},
+                )
+            )
         if newly_acked and req.acked_directive_version == w.directive.version:
-            events.append(Event(ts=now, type=EventType.DIRECTIVE_ACKED, worker_id=w.id, pool=w.pool,
-                                data={"version": req.acked_directive_version}))
+            events.append(
+                Event(
+                    ts=now,
+                    type=EventType.DIRECTIVE_ACKED,
+                    worker_id=w.id,
+                    pool=w.pool,
+                    data={"version": req.acked_directive_version},
+                )
+            )
         if events:
             # Durable before acknowledged: write the beat's row and its events in one transaction.
             row = w.row()
-            row = type(row)(**{**row.__dict__, "last_seq": req.seq, "last_beat_at": now,
-                               "state": WorkerState.ACTIVE.value, "beats": w.beats + 1,
-                               "acked_version": max(w.acked_version, req.acked_directive_version),
-                               "metrics": metrics})
+            row = type(row)(
+                **{
+                    **row.__dict__,
+                    "last_seq": req.seq,
+                    "last_beat_at": now,
+                    "state": WorkerState.ACTIVE.value,
+                    "beats": w.beats + 1,
+                    "acked_version": max(w.acked_version, req.acked_directive_version),
+                    "metrics": metrics,
+                }
+            )
             await self._commit(WriteBatch(workers=[row], events=events))
             if req.seq <= w.last_seq:  # a concurrent retry of the same beat won the race
                 return self._beat_answer(w, req, now, duplicate=True)
@@ -265,8 +313,13 @@ class ControlPlane:
             raise errors.ApiError(422, "invalid", str(exc), str(exc).split("=", 1)[0].split(" ")[0]) from exc
         now = self.clock()
         new = Directive(worker_id=w.id, version=w.directive.version + 1, fields=fields, updated_at=now)
-        ev = Event(ts=now, type=EventType.DIRECTIVE_SET, worker_id=w.id, pool=w.pool,
-                   data={"version": new.version, "changes": dict(patch), "by": actor})
+        ev = Event(
+            ts=now,
+            type=EventType.DIRECTIVE_SET,
+            worker_id=w.id,
+            pool=w.pool,
+            data={"version": new.version, "changes": dict(patch), "by": actor},
+        )
         await self._commit(WriteBatch(directives=[new], events=[ev]))
         w.directive = new
         return new
@@ -277,15 +330,22 @@ class ControlPlane:
         created = pool.name not in self.state.pools
         await asyncio.to_thread(self.store.put_pool, pool, now)
         self.state.pools[pool.name] = pool
-        await self.record_events([Event(ts=now, type=EventType.POOL_CHANGED, pool=pool.name,
-                                        data={"created": created, "spec": pool.to_dict()})])
+        await self.record_events(
+            [
+                Event(
+                    ts=now,
+                    type=EventType.POOL_CHANGED,
+                    pool=pool.name,
+                    data={"created": created, "spec": pool.to_dict()},
+                )
+            ]
+        )
         return pool
 
     async def delete_pool(self, name: str) -> None:
         if name not in self.state.pools:
             raise errors.not_found("pool", name, "name")
-        busy = [w.id for w in self.state.workers.values()
-                if w.pool == name and w.state is not WorkerState.DEREGISTERED]
+        busy = [w.id for w in self.state.workers.values() if w.pool == name and w.state is not WorkerState.DEREGISTERED]
         if busy:
             raise errors.conflict(f"pool {name!r} still has {len(busy)} registered worker(s)", "name")
         await asyncio.to_thread(self.store.delete_pool, name)
@@ -333,17 +393,22 @@ class ControlPlane:
     async def reconcile(self) -> list[str]:
         """One pass of the control loop: mark overdue workers lost (durably, with an event)."""
         now = self.clock()
-        beats = [Beat(w.id, w.state, w.last_beat_at, w.info.heartbeat_interval_s)
-                 for w in self.state.workers.values()]
+        beats = [Beat(w.id, w.state, w.last_beat_at, w.info.heartbeat_interval_s) for w in self.state.workers.values()]
         lost = overdue(beats, now, self.settings.lost_after_beats)
         if not lost:
             return []
         events, rows = [], []
         for wid in lost:
             w = self.state.workers[wid]
-            events.append(Event(ts=now, type=EventType.LOST, worker_id=wid, pool=w.pool,
-                                data={"silent_s": round(now - w.last_beat_at, 3),
-                                      "missed_beats": self.settings.lost_after_beats}))
+            events.append(
+                Event(
+                    ts=now,
+                    type=EventType.LOST,
+                    worker_id=wid,
+                    pool=w.pool,
+                    data={"silent_s": round(now - w.last_beat_at, 3), "missed_beats": self.settings.lost_after_beats},
+                )
+            )
             row = w.row()
             rows.append(type(row)(**{**row.__dict__, "state": WorkerState.LOST.value}))
         await self._commit(WriteBatch(workers=rows, events=events))
@@ -359,18 +424,23 @@ class ControlPlane:
         pools = []
         for p in sorted(self.state.pools.values(), key=lambda p: p.name):
             ws = [w for w in self.state.workers.values() if w.pool == p.name]
-            pools.append({
-                **p.to_dict(),
-                "workers": {s.value: sum(1 for w in ws if w.state is s) for s in WorkerState},
-                "directives_pending": sum(1 for w in ws if w.state is WorkerState.ACTIVE
-                                          and w.acked_version != w.directive.version),
-                "meltdowns": self.state.meltdowns.get(p.name, 0),
-            })
+            pools.append(
+                {
+                    **p.to_dict(),
+                    "workers": {s.value: sum(1 for w in ws if w.state is s) for s in WorkerState},
+                    "directives_pending": sum(
+                        1 for w in ws if w.state is WorkerState.ACTIVE and w.acked_version != w.directive.version
+                    ),
+                    "meltdowns": self.state.meltdowns.get(p.name, 0),
+                }
+            )
         return {
             "server_time": self.clock(),
             "uptime_s": self.clock() - self.started_at,
             "heartbeats": self.heartbeats,
             "pools": pools,
-            "workers": [w.to_api() for w in sorted(self.state.workers.values(),
-                                                   key=lambda w: (w.pool, w.info.group, w.info.rank, w.id))],
+            "workers": [
+                w.to_api()
+                for w in sorted(self.state.workers.values(), key=lambda w: (w.pool, w.info.group, w.info.rank, w.id))
+            ],
         }

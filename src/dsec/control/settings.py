@@ -42,8 +42,10 @@ class Settings:
     def from_env(cls, **overrides: object) -> Settings:
         """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN) <- explicit overrides."""
         home = Path(str(overrides.pop("home", None) or default_home()))
-        url = overrides.pop("database_url", None) or os.environ.get("DSEC_DATABASE_URL") or (
-            f"sqlite:///{home / 'dsec.db'}"
+        url = (
+            overrides.pop("database_url", None)
+            or os.environ.get("DSEC_DATABASE_URL")
+            or (f"sqlite:///{home / 'dsec.db'}")
         )
         admin = overrides.pop("admin_token", None) or os.environ.get("DSEC_ADMIN_TOKEN") or None
         return cls(home=home, database_url=str(url), admin_token=admin and str(admin), **overrides)  # type: ignore[arg-type]

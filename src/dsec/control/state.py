@@ -39,18 +39,32 @@ class LiveWorker:
 
     def row(self) -> WorkerRow:
         return WorkerRow(
-            id=self.id, pool=self.info.pool, info=info_to_dict(self.info), state=self.state.value,
-            token_hash=self.token_hash, registered_at=self.registered_at, last_beat_at=self.last_beat_at,
-            last_seq=self.last_seq, acked_version=self.acked_version, beats=self.beats,
+            id=self.id,
+            pool=self.info.pool,
+            info=info_to_dict(self.info),
+            state=self.state.value,
+            token_hash=self.token_hash,
+            registered_at=self.registered_at,
+            last_beat_at=self.last_beat_at,
+            last_seq=self.last_seq,
+            acked_version=self.acked_version,
+            beats=self.beats,
             metrics=dict(self.metrics),
         )
 
     @classmethod
     def from_row(cls, row: WorkerRow, directive: Directive) -> LiveWorker:
         return cls(
-            id=row.id, info=info_from_dict(row.info), state=WorkerState(row.state), token_hash=row.token_hash,
-            registered_at=row.registered_at, last_beat_at=row.last_beat_at, last_seq=row.last_seq,
-            acked_version=row.acked_version, beats=row.beats, metrics=dict(row.metrics),
+            id=row.id,
+            info=info_from_dict(row.info),
+            state=WorkerState(row.state),
+            token_hash=row.token_hash,
+            registered_at=row.registered_at,
+            last_beat_at=row.last_beat_at,
+            last_seq=row.last_seq,
+            acked_version=row.acked_version,
+            beats=row.beats,
+            metrics=dict(row.metrics),
             directive=directive,
         )
 
@@ -75,16 +89,27 @@ class LiveWorker:
 
 def info_to_dict(info: WorkerInfo) -> dict[str, Any]:
     return {
-        "pool": info.pool, "role": info.role.value, "group": info.group, "rank": info.rank,
-        "host": info.host, "pid": info.pid, "device": info.device,
+        "pool": info.pool,
+        "role": info.role.value,
+        "group": info.group,
+        "rank": info.rank,
+        "host": info.host,
+        "pid": info.pid,
+        "device": info.device,
         "heartbeat_interval_s": info.heartbeat_interval_s,
     }
 
 
 def info_from_dict(d: dict[str, Any] | Any) -> WorkerInfo:
     return WorkerInfo(
-        pool=d["pool"], role=Role(d["role"]), group=d["group"], rank=int(d["rank"]), host=d["host"],
-        pid=int(d["pid"]), device=d.get("device"), heartbeat_interval_s=float(d["heartbeat_interval_s"]),
+        pool=d["pool"],
+        role=Role(d["role"]),
+        group=d["group"],
+        rank=int(d["rank"]),
+        host=d["host"],
+        pid=int(d["pid"]),
+        device=d.get("device"),
+        heartbeat_interval_s=float(d["heartbeat_interval_s"]),
     )
 
 

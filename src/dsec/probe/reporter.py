@@ -75,9 +75,14 @@ class _Aggregate:
 class Reporter:
     """Background reporter for one worker process. Thread-safe; a context manager."""
 
-    def __init__(self, config: ReporterConfig, *, client: Client | None = None,
-                 on_directive: DirectiveHandler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ReporterConfig,
+        *,
+        client: Client | None = None,
+        on_directive: DirectiveHandler | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self._client = client or Client(config.endpoint, timeout=config.request_timeout_s)
         self._on_directive = on_directive
@@ -125,7 +130,7 @@ class Reporter:
         with self._lock:
             self._counters[name] = self._counters.get(name, 0.0) + n
 
-    def event(self, type: str, urgent: bool = False, **data: Any) -> None:  # noqa: A002 - wire name
+    def event(self, type: str, urgent: bool = False, **data: Any) -> None:
         with self._lock:
             if len(self._events) == self._events.maxlen:
                 self.dropped_events += 1
@@ -198,8 +203,15 @@ class Reporter:
     def _register(self) -> None:
         c = self.config
         answer = self._client.register(
-            c.pool, role=c.role, group=c.group, rank=c.rank, host=c.host, pid=c.pid, device=c.device,
-            heartbeat_interval_s=c.heartbeat_interval_s, token=c.token,
+            c.pool,
+            role=c.role,
+            group=c.group,
+            rank=c.rank,
+            host=c.host,
+            pid=c.pid,
+            device=c.device,
+            heartbeat_interval_s=c.heartbeat_interval_s,
+            token=c.token,
         )
         self._worker_token = answer["worker_token"]
         self._seq = 0
@@ -231,8 +243,12 @@ class Reporter:
         p = self._pending
         try:
             answer = self._client.heartbeat(
-                self.worker_id, p["seq"], acked_directive_version=self.applied_version,
-                metrics=p["metrics"], events=p["events"], token=self._worker_token,
+                self.worker_id,
+                p["seq"],
+                acked_directive_version=self.applied_version,
+                metrics=p["metrics"],
+                events=p["events"],
+                token=self._worker_token,
             )
         except ApiError as exc:
             if exc.status in (401, 403, 404, 409):

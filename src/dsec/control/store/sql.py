@@ -58,8 +58,10 @@ class SqlStore:
             raise StoreUnavailable(f"cannot open database {self._redacted()}: {exc}") from exc
 
     def _redacted(self) -> str:
-        return self._engine.url.render_as_string(hide_password=True) if hasattr(self, "_engine") else (
-            self.url.split("@")[-1]
+        return (
+            self._engine.url.render_as_string(hide_password=True)
+            if hasattr(self, "_engine")
+            else (self.url.split("@")[-1])
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -89,15 +91,11 @@ class SqlStore:
         update_cols = [c.name for c in table.columns if c.name != key]
         if dialect == "sqlite":
             stmt = sqlite.insert(table)
-            stmt = stmt.on_conflict_do_update(
-                index_elements=[key], set_={c: stmt.excluded[c] for c in update_cols}
-            )
+            stmt = stmt.on_conflict_do_update(index_elements=[key], set_={c: stmt.excluded[c] for c in update_cols})
             conn.execute(stmt, list(rows))
         elif dialect == "postgresql":
             pstmt = postgresql.insert(table)
-            pstmt = pstmt.on_conflict_do_update(
-                index_elements=[key], set_={c: pstmt.excluded[c] for c in update_cols}
-            )
+            pstmt = pstmt.on_conflict_do_update(index_elements=[key], set_={c: pstmt.excluded[c] for c in update_cols})
             conn.execute(pstmt, list(rows))
         else:  # portable fallback: delete + insert inside the caller's transaction
             conn.execute(delete(table).where(table.c[key].in_([r[key] for r in rows])))
@@ -117,8 +115,7 @@ class SqlStore:
     def put_pool(self, pool: Pool, now: float) -> None:
         def go() -> None:
             with self._engine.begin() as conn:
-                self._upsert(conn, t.pools, [{"name": pool.name, "spec": pool.to_dict(), "updated_at": now}],
-                             "name")
+                self._upsert(conn, t.pools, [{"name": pool.name, "spec": pool.to_dict(), "updated_at": now}], "name")
 
         self._run("put_pool", go)
 
@@ -158,8 +155,7 @@ class SqlStore:
     def write(self, batch: WriteBatch) -> list[int]:
         worker_rows = [_worker_to_row(w) for w in batch.workers]
         directive_rows = [
-            {"worker_id": d.worker_id, "version": d.version, "fields": d.fields.to_dict(),
-             "updated_at": d.updated_at}
+            {"worker_id": d.worker_id, "version": d.version, "fields": d.fields.to_dict(), "updated_at": d.updated_at}
             for d in batch.directives
         ]
 
@@ -173,8 +169,13 @@ class SqlStore:
                 for ev in batch.events:
                     res = conn.execute(
                         insert(t.events).returning(t.events.c.id),
-                        {"ts": ev.ts, "type": ev.type.value, "worker_id": ev.worker_id, "pool": ev.pool,
-                         "data": dict(ev.data)},
+                        {
+                            "ts": ev.ts,
+                            "type": ev.type.value,
+                            "worker_id": ev.worker_id,
+                            "pool": ev.pool,
+                            "data": dict(ev.data),
+                        },
                     )
                     ids.append(int(res.scalar_one()))
             return ids
@@ -194,8 +195,12 @@ class SqlStore:
             with self._engine.connect() as conn:
                 rows = conn.execute(select(t.directives)).all()
             return [
-                Directive(worker_id=r.worker_id, version=r.version,
-                          fields=DirectiveFields.from_dict(r.fields), updated_at=r.updated_at)
+                Directive(
+                    worker_id=r.worker_id,
+                    version=r.version,
+                    fields=DirectiveFields.from_dict(r.fields),
+                    updated_at=r.updated_at,
+                )
                 for r in rows
             ]
 
@@ -220,8 +225,7 @@ class SqlStore:
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
             return [
-                Event(id=r.id, ts=r.ts, type=EventType(r.type), worker_id=r.worker_id, pool=r.pool,
-                      data=r.data)
+                Event(id=r.id, ts=r.ts, type=EventType(r.type), worker_id=r.worker_id, pool=r.pool, data=r.data)
                 for r in rows
             ]
 
@@ -238,10 +242,16 @@ class SqlStore:
     def put_token(self, token: TokenRow) -> None:
         def go() -> None:
             with self._engine.begin() as conn:
-                conn.execute(insert(t.tokens), {
-                    "token_hash": token.token_hash, "pool": token.pool, "kind": token.kind,
-                    "label": token.label, "created_at": token.created_at,
-                })
+                conn.execute(
+                    insert(t.tokens),
+                    {
+                        "token_hash": token.token_hash,
+                        "pool": token.pool,
+                        "kind": token.kind,
+                        "label": token.label,
+                        "created_at": token.created_at,
+                    },
+                )
 
         self._run("put_token", go)
 
@@ -256,15 +266,31 @@ class SqlStore:
 
 def _worker_to_row(w: WorkerRow) -> dict[str, Any]:
     return {
-        "id": w.id, "pool": w.pool, "info": dict(w.info), "state": w.state, "token_hash": w.token_hash,
-        "registered_at": w.registered_at, "last_beat_at": w.last_beat_at, "last_seq": w.last_seq,
-        "acked_version": w.acked_version, "beats": w.beats, "metrics": dict(w.metrics),
+        "id": w.id,
+        "pool": w.pool,
+        "info": dict(w.info),
+        "state": w.state,
+        "token_hash": w.token_hash,
+        "registered_at": w.registered_at,
+        "last_beat_at": w.last_beat_at,
+        "last_seq": w.last_seq,
+        "acked_version": w.acked_version,
+        "beats": w.beats,
+        "metrics": dict(w.metrics),
     }
 
 
-def _row_to_worker(r: Mapping[str, Any]) -> WorkerRow:
+def _row_to_worker(r: Any) -> WorkerRow:
     return WorkerRow(
-        id=r["id"], pool=r["pool"], info=r["info"], state=r["state"], token_hash=r["token_hash"],
-        registered_at=r["registered_at"], last_beat_at=r["last_beat_at"], last_seq=r["last_seq"],
-        acked_version=r["acked_version"], beats=r["beats"], metrics=r["metrics"],
+        id=r["id"],
+        pool=r["pool"],
+        info=r["info"],
+        state=r["state"],
+        token_hash=r["token_hash"],
+        registered_at=r["registered_at"],
+        last_beat_at=r["last_beat_at"],
+        last_seq=r["last_seq"],
+        acked_version=r["acked_version"],
+        beats=r["beats"],
+        metrics=r["metrics"],
     )

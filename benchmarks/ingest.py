@@ -1,0 +1,443 @@
+"""Heartbeat ingest benchmark: N simulated workers beating against a real control plane.
+
+The control plane runs in a child process (``_common.ServerProcess``: ``create_app`` under
+``uvicorn.Server`` with ``uvicorn_config``, a temporary SQLite store). This process creates one pool
+and a pool token over the admin API, then simulates ``--workers`` workers as asyncio clients on
+loopback: each registers with the pool token and then heartbeats with its own token (about 8 metric
+summaries per beat; ``--event-ratio`` of the beats carry one ``log`` event, which takes the durable
+group-commit path before it is answered).
+
+The workers are multiplexed over ``--connections`` HTTP/1.1 keep-alive connections (worker i on
+connection i mod C, one request in flight per connection). By default the load is closed-loop: a
+connection sends its next worker's beat as soon as the previous answer arrived, so every worker's
+next beat follows its previous answer. With ``--rate R`` the beats are paced instead (R beats/s in
+total, each worker every N/R s) and latency is also measured from the scheduled send time
+(``e2e_*``), so falling behind the schedule shows up in the numbers.
+
+The default client is a hand-written HTTP/1.1 client (an asyncio ``Protocol`` on uvloop, requests
+assembled from pre-built bytes), so it takes as little CPU as possible away from the server on a
+small machine; ``--client httpx`` uses ``httpx.AsyncClient`` for comparison.
+
+    .venv/bin/python benchmarks/ingest.py                      # 1000 workers, 64 conns, 20 s
+    .venv/bin/python benchmarks/ingest.py --rate 2000          # paced
+    .venv/bin/python benchmarks/ingest.py --py-spy /tmp/p.txt  # profile the server meanwhile
+    .venv/bin/python benchmarks/_common.py pyspy-summary /tmp/p.txt --thread MainThread
+
+The last line of stdout is one JSON object (workers, heartbeats_per_s, p50_ms, p99_ms, errors,
+connections, duration_s and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PySpy, ServerProcess, admin_client, percentile  # noqa: E402
+
+POOL = "bench"
+METRIC_VARIANTS = 64
+LOG_EVENT = b'[{"type":"log","data":{"level":"info","msg":"step 1234: loss=0.4312 lr=3.0e-4 tokens/s=51234"}}]'
+NO_EVENTS = b"[]"
+
+
+def metric_blobs(n: int, seed: int = 7) -> list[bytes]:
+    """``n`` pre-serialised metric dicts: the ~8 summaries a training worker reports per beat."""
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ops = rnd.randint(1_000, 1_000_000)
+        out.append(orjson.dumps({
+            "memory_used_gb": round(rnd.uniform(4.0, 11.5), 3),
+            "gpu_util": round(rnd.uniform(0.4, 1.0), 4),
+            "step_time_ms_p50": round(rnd.uniform(80, 400), 2),
+            "step_time_ms_p99": round(rnd.uniform(400, 1200), 2),
+            "sync_latency_ms_p99": round(rnd.uniform(5, 120), 2),
+            "bandwidth_mbps": round(rnd.uniform(10, 128), 2),
+            "sync_ops_total": float(ops),
+            "sync_ok_total": float(ops - rnd.randint(0, ops // 100)),
+        }))
+    return out
+
+
+@dataclass
+class Worker:
+    rank: int
+    id: str = ""
+    token: str = ""
+    acked: int = 0
+    seq: int = 0
+    raw_head: bytes = b""  # request line + headers up to "content-length: "
+    path: str = ""
+
+
+@dataclass
+class Stats:
+    ok: int = 0
+    errors: int = 0
+    transport_errors: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    error_samples: list[str] = field(default_factory=list)
+    lat: list[float] = field(default_factory=list)  # send -> answer, seconds
+    e2e: list[float] = field(default_factory=list)  # scheduled -> answer (paced mode)
+    events_sent: int = 0
+    directives_seen: int = 0
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.append(what[:300])
+
+
+# -- transports ------------------------------------------------------------------------------------
+class RawConn(asyncio.Protocol):
+    """One HTTP/1.1 keep-alive connection, one request in flight. Parses just the status line and
+    Content-Length of uvicorn's answers (it never chunks a ``Response`` with a body)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> RawConn:
+        _, proto = await asyncio.get_running_loop().create_connection(cls, host, port)
+        return proto
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_exception(ConnectionError(f"connection lost: {exc}"))
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0 or self.waiter is None:
+            return
+        head = bytes(buf[:end]).lower()
+        i = head.find(b"\r\ncontent-length:")
+        if i < 0:
+            self._fail(f"answer without content-length: {head[:200]!r}")
+            return
+        j = head.find(b"\r\n", i + 2)
+        length = int(head[i + 17 : j if j >= 0 else len(head)])
+        stop = end + 4 + length
+        if len(buf) < stop:
+            return
+        status = int(head[9:12])
+        body = bytes(buf[end + 4 : stop])
+        del buf[:stop]
+        w, self.waiter = self.waiter, None
+        if not w.done():
+            w.set_result((status, body))
+
+    def _fail(self, why: str) -> None:
+        w, self.waiter = self.waiter, None
+        if w is not None and not w.done():
+            w.set_exception(ConnectionError(why))
+        if self.transport is not None:
+            self.transport.close()
+
+    async def post(self, path: str, token: str, head: bytes, body: bytes) -> tuple[int, bytes]:
+        if self.transport is None:
+            raise ConnectionError("not connected")
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self.waiter = fut
+        self.transport.write(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+        return await fut
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+class HttpxConn:
+    """Same interface over a shared ``httpx.AsyncClient`` (for comparison)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def post(self, path: str, token: str, head: bytes, body: bytes) -> tuple[int, bytes]:
+        import httpx
+
+        headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+        try:
+            resp = await self.client.post(path, content=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise ConnectionError(str(exc) or type(exc).__name__) from exc
+        return resp.status_code, resp.content
+
+    def close(self) -> None:
+        pass
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+@dataclass
+class Run:
+    args: argparse.Namespace
+    host: str
+    port: int
+    pool_token: str
+    stats: Stats = field(default_factory=Stats)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    t0: float = 0.0  # load starts (after registration)
+    m0: float = float("inf")  # measured window
+    m1: float = float("inf")
+    stop: bool = False
+    blobs: list[bytes] = field(default_factory=list)
+    httpx_client: Any = None
+
+    def head_for(self, path: str, token: str) -> bytes:
+        return (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\nauthorization: Bearer {token}\r\n"
+                "content-type: application/json\r\ncontent-length: ").encode()
+
+    async def connect(self) -> RawConn | HttpxConn:
+        if self.httpx_client is not None:
+            return HttpxConn(self.httpx_client)
+        return await RawConn.open(self.host, self.port)
+
+    async def register(self, conn: RawConn | HttpxConn, w: Worker) -> None:
+        body = orjson.dumps({"pool": POOL, "rank": w.rank, "role": "learner", "host": "bench-node",
+                             "pid": 10_000 + w.rank, "heartbeat_interval_s": self.args.interval})
+        path = "/v1/workers/register"
+        status, answer = await conn.post(path, self.pool_token, self.head_for(path, self.pool_token), body)
+        if status != 201:
+            raise RuntimeError(f"register rank {w.rank}: HTTP {status} {answer[:300]!r}")
+        reg = orjson.loads(answer)
+        w.id, w.token = reg["worker_id"], reg["worker_token"]
+        w.acked = int(reg["directive"]["version"])  # we apply it at once: ack it on the first beat
+        w.path = f"/v1/workers/{w.id}/heartbeat"
+        w.raw_head = self.head_for(w.path, w.token)
+
+    async def connection(self, cid: int, workers: list[Worker], registered: asyncio.Future[None]) -> None:
+        args, st = self.args, self.stats
+        conn = await self.connect()
+        try:
+            for w in workers:
+                await self.register(conn, w)
+        except BaseException as exc:
+            if not registered.done():
+                registered.set_exception(exc)
+            conn.close()
+            return
+        registered.set_result(None)
+        await self.go.wait()
+        rnd = random.Random(cid)
+        blobs, nblobs = self.blobs, len(self.blobs)
+        paced = args.rate is not None
+        period = args.connections / args.rate if paced else 0.0
+        due = self.t0 + cid / args.rate if paced else 0.0
+        perf = time.perf_counter
+        k = 0
+        n = len(workers)
+        try:
+            while not self.stop:
+                w = workers[k % n]
+                k += 1
+                if paced:
+                    due += period
+                    delay = due - perf()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                        if self.stop:
+                            break
+                w.seq += 1
+                ev = LOG_EVENT if rnd.random() < args.event_ratio else NO_EVENTS
+                body = b'{"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}' % (
+                    w.seq, w.acked, blobs[(w.rank + w.seq) % nblobs], ev)
+                t_send = perf()
+                try:
+                    status, answer = await conn.post(w.path, w.token, w.raw_head, body)
+                except ConnectionError as exc:
+                    st.transport_errors += 1
+                    st.error(f"transport: {exc}")
+                    if self.stop:
+                        break
+                    conn.close()
+                    conn = await self.connect()
+                    continue
+                t_done = perf()
+                measured = self.m0 <= t_done <= self.m1
+                if status != 200:
+                    st.statuses[status] += 1
+                    if measured:
+                        st.error(f"HTTP {status}: {answer[:200]!r}")
+                    continue
+                if b'"directive":null' not in answer:  # a new directive: apply and ack it next beat
+                    st.directives_seen += 1
+                    d = orjson.loads(answer).get("directive")
+                    if d:
+                        w.acked = int(d["version"])
+                if measured:
+                    st.statuses[status] += 1
+                    st.ok += 1
+                    st.lat.append(t_done - t_send)
+                    if paced:
+                        st.e2e.append(t_done - due)
+                    if ev is LOG_EVENT:
+                        st.events_sent += 1
+        finally:
+            conn.close()
+
+
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str) -> dict[str, Any]:
+    run = Run(args, server.host, server.port, pool_token, blobs=metric_blobs(METRIC_VARIANTS))
+    if args.client == "httpx":
+        import httpx
+
+        run.httpx_client = httpx.AsyncClient(
+            base_url=server.url, timeout=30.0,
+            limits=httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections),
+        )
+    workers = [Worker(rank=i) for i in range(args.workers)]
+    per_conn = [workers[c :: args.connections] for c in range(args.connections)]
+    loop = asyncio.get_running_loop()
+    registered = [loop.create_future() for _ in per_conn]
+    t_reg = time.perf_counter()
+    tasks = [asyncio.create_task(run.connection(c, ws, registered[c])) for c, ws in enumerate(per_conn) if ws]
+    try:
+        await asyncio.wait_for(asyncio.gather(*registered[: len(tasks)]), timeout=args.setup_timeout)
+        reg_s = time.perf_counter() - t_reg
+        print(f"registered {args.workers} workers in {reg_s:.2f} s", file=sys.stderr)
+        run.t0 = time.perf_counter()
+        run.go.set()
+        await asyncio.sleep(args.warmup)
+        spy = PySpy(server.pid, args.py_spy, args.duration) if args.py_spy else None
+        cpu0, srv0 = time.process_time(), server_cpu_s(server.pid)
+        run.m0 = time.perf_counter()
+        run.m1 = run.m0 + args.duration
+        await asyncio.sleep(args.duration)
+        run.stop = True
+        window = time.perf_counter() - run.m0
+        cpu1, srv1 = time.process_time(), server_cpu_s(server.pid)
+        done, pending = await asyncio.wait(tasks, timeout=10.0)
+        for t in pending:
+            t.cancel()
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if run.httpx_client is not None:
+            await run.httpx_client.aclose()
+    if spy is not None:
+        spy.wait()
+    st = run.stats
+    lat = sorted(st.lat)
+    e2e = sorted(st.e2e)
+    result: dict[str, Any] = {
+        "workers": args.workers,
+        "heartbeats_per_s": round(st.ok / args.duration, 1),
+        "p50_ms": round(percentile(lat, 50) * 1e3, 3),
+        "p99_ms": round(percentile(lat, 99) * 1e3, 3),
+        "errors": st.errors,
+        "connections": args.connections,
+        "duration_s": args.duration,
+        "p999_ms": round(percentile(lat, 99.9) * 1e3, 3),
+        "max_ms": round(lat[-1] * 1e3, 3) if lat else None,
+        "mode": f"paced {args.rate}/s" if args.rate else "closed-loop",
+        "client": args.client,
+        "beats": st.ok,
+        "events_sent": st.events_sent,
+        "transport_errors": st.transport_errors,
+        "statuses": {str(k): v for k, v in sorted(st.statuses.items())},
+        "server_cpu_pct": round(100 * (srv1 - srv0) / window, 1),
+        "client_cpu_pct": round(100 * (cpu1 - cpu0) / window, 1),
+        "register_s": round(reg_s, 3),
+    }
+    if args.rate:
+        result["e2e_p50_ms"] = round(percentile(e2e, 50) * 1e3, 3)
+        result["e2e_p99_ms"] = round(percentile(e2e, 99) * 1e3, 3)
+    if st.error_samples:
+        result["error_samples"] = st.error_samples
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=1000, help="simulated workers (default 1000)")
+    ap.add_argument("--connections", type=int, default=64, help="keep-alive connections (default 64)")
+    ap.add_argument("--duration", type=float, default=20.0, help="measured seconds (default 20)")
+    ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring (default 5)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="pace to this many beats/s in total instead of closed-loop")
+    ap.add_argument("--interval", type=float, default=5.0,
+                    help="heartbeat_interval_s the workers declare (liveness only; default 5)")
+    ap.add_argument("--event-ratio", type=float, default=0.01,
+                    help="share of beats carrying one log event (default 0.01)")
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw")
+    ap.add_argument("--py-spy", default=None, metavar="OUT",
+                    help="record the server with py-spy (raw collapsed stacks) during the measured window")
+    ap.add_argument("--cprofile", default=None, metavar="OUT", help="run the server under cProfile, dump here")
+    ap.add_argument("--setup-timeout", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    if not 1 <= args.workers <= 100_000:
+        ap.error("--workers must be in 1..100000")
+    if not 1 <= args.connections <= 1024:
+        ap.error("--connections must be in 1..1024")
+    args.connections = min(args.connections, args.workers)
+    if not 0 < args.duration <= 600 or not 0 <= args.warmup <= 600:
+        ap.error("--duration must be in (0, 600] and --warmup in [0, 600]")
+    if args.rate is not None and not 0 < args.rate <= 1_000_000:
+        ap.error("--rate must be in (0, 1000000]")
+    if not 0 <= args.event_ratio <= 1:
+        ap.error("--event-ratio must be in [0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM -> SystemExit, so the server child is stopped by the context manager below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    with ServerProcess(cprofile_out=args.cprofile) as server:
+        with admin_client(server) as admin:
+            admin.put_pool(POOL, memory_base_gb=7.0, memory_ceiling_gb=12.0)
+            pool_token = admin.create_token(pool=POOL, label="bench")
+        result = runner(bench(args, server, pool_token))
+        rc = server.stop()
+    if rc not in (0, None):
+        print(f"warning: control plane exited with {rc}", file=sys.stderr)
+    print(f"{result['workers']} workers, {result['connections']} conns, {result['mode']}, {args.client}: "
+          f"{result['heartbeats_per_s']:.0f} beats/s, p50 {result['p50_ms']:.2f} ms, "
+          f"p99 {result['p99_ms']:.2f} ms, errors {result['errors']}, "
+          f"server CPU {result['server_cpu_pct']}%, client CPU {result['client_cpu_pct']}%")
+    print(json.dumps(result))
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

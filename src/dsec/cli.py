@@ -1,0 +1,269 @@
+"""The ``dsec`` command. Thin: parses arguments and calls into the packages."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from dsec.client import Client, ClientError
+from dsec.yamlconf import ConfigError
+
+app = typer.Typer(
+    help="DSec: state-aware elastic compute coordinator for distributed RL training.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+token_app = typer.Typer(help="Manage API tokens.", no_args_is_help=True)
+directive_app = typer.Typer(help="Read and change worker directives.", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+app.add_typer(directive_app, name="directive")
+
+# Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+Endpoint = Annotated[str, typer.Option(envvar="DSEC_ENDPOINT", help="Control-plane URL.")]
+AdminToken = Annotated[
+    str | None,
+    typer.Option(envvar="DSEC_ADMIN_TOKEN", show_default=False, help="Admin token (default: $DSEC_HOME/admin.token)."),
+]
+DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
+
+
+def _home() -> Path:
+    from dsec.control.settings import default_home
+
+    return default_home()
+
+
+def _admin_token(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    path = _home() / "admin.token"
+    return path.read_text().strip() if path.exists() else None
+
+
+def _client(endpoint: str, token: str | None) -> Client:
+    return Client(endpoint, token=_admin_token(token))
+
+
+def _fail(exc: Exception, code: int = 1) -> typer.Exit:
+    err.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(code)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8080,
+    cluster: Annotated[Path | None, typer.Option(help="Cluster YAML (pools, devices).")] = None,
+    home: Annotated[Path | None, typer.Option(envvar="DSEC_HOME", help="State directory.")] = None,
+    database_url: Annotated[
+        str | None, typer.Option(envvar="DSEC_DATABASE_URL", help="SQLAlchemy URL (default SQLite in home).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Run the control plane (uvicorn)."""
+    import secrets
+
+    import uvicorn
+
+    from dsec.control.app import create_app
+    from dsec.control.server import uvicorn_config
+    from dsec.control.settings import Settings
+    from dsec.control.store import StoreError
+
+    settings = Settings.from_env(home=home, database_url=database_url, host=host, port=port, cluster_file=cluster)
+    settings.home.mkdir(parents=True, exist_ok=True)
+    if settings.admin_token is None:
+        # No admin token configured: make one and leave it where the CLI looks (0600).
+        token_file = settings.home / "admin.token"
+        if not token_file.exists():
+            token_file.write_text("dsa_" + secrets.token_urlsafe(32) + "\n")
+            os.chmod(token_file, 0o600)
+        from dataclasses import replace
+
+        settings = replace(settings, admin_token=token_file.read_text().strip())
+        err.print(f"admin token in {token_file}")
+    try:
+        fastapi_app = create_app(settings)
+    except (ConfigError, StoreError) as exc:
+        raise _fail(exc, 2) from None
+    err.print(f"DSec control plane on http://{host}:{port} (store: {settings.database_url.split('@')[-1]})")
+    uvicorn.Server(uvicorn_config(fastapi_app, host, port, log_level=log_level)).run()
+
+
+@app.command()
+def status(
+    endpoint: Endpoint = DEFAULT_ENDPOINT,
+    admin_token: AdminToken = None,
+    watch: Annotated[float, typer.Option(help="Refresh every N seconds (0: once).")] = 0.0,
+) -> None:
+    """Pools and workers: state, directive desired/acked, latest metrics."""
+    from rich.console import Group
+    from rich.live import Live
+
+    from dsec.render import pools_table, workers_table
+
+    with _client(endpoint, admin_token) as c:
+
+        def view() -> Group:
+            s = c.status()
+            return Group(pools_table(s), workers_table(s["workers"], now=s["server_time"]))
+
+        try:
+            if watch <= 0:
+                console.print(view())
+                return
+            with Live(view(), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(watch)
+                    live.update(view())
+        except ClientError as exc:
+            raise _fail(exc) from None
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def workers(
+    endpoint: Endpoint = DEFAULT_ENDPOINT,
+    admin_token: AdminToken = None,
+    pool: Annotated[str | None, typer.Option()] = None,
+    state: Annotated[str | None, typer.Option(help="active | lost | deregistered")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List workers."""
+    from dsec.render import workers_table
+
+    try:
+        with _client(endpoint, admin_token) as c:
+            items = c.workers(pool=pool, state=state)
+    except ClientError as exc:
+        raise _fail(exc) from None
+    if json_out:
+        console.print_json(data=items)
+    else:
+        console.print(workers_table(items))
+
+
+@app.command()
+def events(
+    endpoint: Endpoint = DEFAULT_ENDPOINT,
+    admin_token: AdminToken = None,
+    worker: Annotated[str | None, typer.Option(help="Worker id.")] = None,
+    pool: Annotated[str | None, typer.Option()] = None,
+    type_: Annotated[list[str] | None, typer.Option("--type", help="Event type (repeatable).")] = None,
+    since: Annotated[float | None, typer.Option(help="Seconds ago.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Query events (newest pages last)."""
+    from dsec.render import events_table
+
+    try:
+        with _client(endpoint, admin_token) as c:
+            page = c.events(
+                worker_id=worker,
+                pool=pool,
+                types=type_ or (),
+                since=time.time() - since if since is not None else None,
+                limit=limit,
+            )
+    except ClientError as exc:
+        raise _fail(exc) from None
+    if json_out:
+        console.print_json(data=page)
+    else:
+        console.print(events_table(page["items"]))
+        if page["next_cursor"] is not None:
+            console.print(f"more: --cursor {page['next_cursor']}")
+
+
+@token_app.command("create")
+def token_create(
+    pool: Annotated[str | None, typer.Option(help="Pool the token may register workers in.")] = None,
+    admin: Annotated[bool, typer.Option("--admin", help="Create an admin token instead.")] = False,
+    label: Annotated[str, typer.Option()] = "",
+    endpoint: Endpoint = DEFAULT_ENDPOINT,
+    admin_token: AdminToken = None,
+) -> None:
+    """Create a token; it is printed once (the control plane keeps only its hash)."""
+    if not admin and not pool:
+        raise _fail(ValueError("give --pool P for a worker-registration token, or --admin"), 2)
+    try:
+        with _client(endpoint, admin_token) as c:
+            console.print(
+                c.create_token(pool=None if admin else pool, kind="admin" if admin else "pool", label=label),
+                soft_wrap=True,
+            )
+    except ClientError as exc:
+        raise _fail(exc) from None
+
+
+def _parse_assignment(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise typer.BadParameter(f"{text!r}: expected FIELD=VALUE")
+    value: Any = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    elif raw.lower() in ("null", "none"):
+        value = None
+    else:
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+    return key, value
+
+
+@directive_app.command("set")
+def directive_set(
+    worker_id: str, assignments: list[str], endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = None
+) -> None:
+    """Set directive fields, e.g. `dsec directive set w-123 compression_bits=8 grad_accum_steps=4`."""
+    fields = dict(_parse_assignment(a) for a in assignments)
+    try:
+        with _client(endpoint, admin_token) as c:
+            console.print_json(data=c.set_directive(worker_id, **fields))
+    except ClientError as exc:
+        raise _fail(exc) from None
+
+
+@directive_app.command("show")
+def directive_show(worker_id: str, endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = None) -> None:
+    """Desired vs acked directive of a worker."""
+    try:
+        with _client(endpoint, admin_token) as c:
+            console.print_json(data=c.directive(worker_id))
+    except ClientError as exc:
+        raise _fail(exc) from None
+
+
+@app.command()
+def demo(
+    workers_n: Annotated[int, typer.Option("--workers", min=2, max=8, help="Training processes.")] = 3,
+    duration: Annotated[float, typer.Option(min=5, max=600, help="Seconds of training to show.")] = 25.0,
+    keep: Annotated[bool, typer.Option(help="Keep the temporary DSEC_HOME.")] = False,
+) -> None:
+    """Run an embedded control plane and real training processes, show them live, print a summary."""
+    from dsec.demo import run_demo
+
+    sys.exit(run_demo(console, workers=workers_n, duration_s=duration, keep_home=keep))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""``dsec demo``: the product's front door.
+
+Starts an embedded control plane (real uvicorn on loopback, SQLite in a temporary DSEC_HOME, the
+example cluster of 8 pools x 2 devices), launches real training processes that report to it, shows
+a live status table, exercises the capabilities that exist, and ends with a summary.
+
+Each capability is one ``Scene`` (what to do at which fraction of the run, and how to check it
+worked); later capabilities add scenes instead of rewriting the demo.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from dsec.client import Client
+from dsec.control.app import create_app
+from dsec.control.server import ServerThread, free_port
+from dsec.control.settings import Settings
+from dsec.render import events_table, pools_table, workers_table
+
+POOL = "pool-0"
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class DemoRun:
+    console: Console
+    client: Client
+    procs: list[Proc]
+    notes: list[str] = field(default_factory=list)
+    checks: dict[str, bool] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def worker_ids(self, role: str | None = None) -> list[dict[str, Any]]:
+        return [w for w in self.client.workers(pool=POOL) if role is None or w["role"] == role]
+
+
+@dataclass
+class Scene:
+    """Something to show: ``act`` runs once at ``at`` (fraction of the run), ``check`` at the end."""
+
+    title: str
+    at: float
+    act: Callable[[DemoRun], None]
+    check: Callable[[DemoRun], bool]
+
+
+def _push_directive(run: DemoRun) -> None:
+    learners = sorted(run.worker_ids("learner"), key=lambda w: w["rank"])
+    if not learners:
+        return
+    target = learners[0]
+    d = run.client.set_directive(target["id"], sync_priority=1, snapshot_interval_s=30)
+    run.state["directive"] = (target["id"], d["desired_version"])
+    run.notes.append(
+        f"pushed directive v{d['desired_version']} (sync_priority=1, snapshot_interval_s=30) "
+        f"to learner rank 0 ({target['id']})"
+    )
+
+
+def _directive_acked(run: DemoRun) -> bool:
+    if "directive" not in run.state:
+        return False
+    wid, version = run.state["directive"]
+    acked = any(
+        e["data"].get("version") == version for e in run.client.all_events(worker_id=wid, types=["directive_acked"])
+    )
+    run.notes.append(f"directive v{version} acked by {wid}: {acked}")
+    return acked
+
+
+def _kill_actor(run: DemoRun) -> None:
+    for p in run.procs:
+        if p.role == "actor" and p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGKILL)
+            run.state["killed_at"] = time.time()
+            run.notes.append(f"killed the actor process (pid {p.popen.pid}) with SIGKILL, no goodbye")
+
+
+def _actor_lost(run: DemoRun) -> bool:
+    actors = run.worker_ids("actor")
+    lost = [e for a in actors for e in run.client.all_events(worker_id=a["id"], types=["lost"])]
+    if lost and "killed_at" in run.state:
+        run.notes.append(
+            f"control plane marked the actor lost {lost[0]['ts'] - run.state['killed_at']:.1f} s "
+            f"after the kill ({lost[0]['data'].get('missed_beats')} missed beats of {HEARTBEAT_S} s)"
+        )
+    return bool(lost)
+
+
+def _scrape(run: DemoRun) -> None:
+    run.state["metrics_text"] = run.client.metrics_text()
+
+
+def _scraped(run: DemoRun) -> bool:
+    text = run.state.get("metrics_text", "")
+    return all(f"{name}{{" in text for name in HEADLINE_METRICS)
+
+
+HEADLINE_METRICS = (
+    "dsec_sandbox_utilization_rate",
+    "dsec_gradient_sync_success_rate",
+    "dsec_snapshot_recovery_time",
+    "dsec_melt_down_count",
+)
+
+SCENES = [
+    Scene("versioned directive: pushed, delivered in a heartbeat, acked", 0.35, _push_directive, _directive_acked),
+    Scene("liveness: a worker killed -9 becomes 'lost'", 0.55, _kill_actor, _actor_lost),
+    Scene("Prometheus /metrics carries the four headline gauges per pool", 0.8, _scrape, _scraped),
+]
+
+
+def _spawn(role: str, rank: int, world: int, env: dict[str, str], logdir: Path) -> Proc:
+    name = f"{role}-{rank}"
+    log = logdir / f"{name}.log"
+    penv = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "DSEC_ROLE": role}
+    with log.open("wb") as fh:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "dsec.demo.workload", role], env=penv, stdout=fh, stderr=subprocess.STDOUT
+        )
+    return Proc(name, role, popen, log)
+
+
+def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
+    t = Table(title="DSec demo summary", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    ws = run.client.workers()
+    evs = run.client.all_events()
+    st = run.client.status()
+    t.add_row("wall time", f"{elapsed:.1f} s")
+    t.add_row("workers", ", ".join(f"{c} {s}" for s, c in sorted(Counter(w["state"] for w in ws).items())))
+    t.add_row("heartbeats", str(st["heartbeats"]))
+    t.add_row("events", ", ".join(f"{ty}={n}" for ty, n in sorted(Counter(e["type"] for e in evs).items())))
+    learner_returns = [w["metrics"].get("episode_return_mean") for w in ws if w["role"] == "learner"]
+    t.add_row(
+        "learner steps", ", ".join(str(int(w["metrics"].get("steps_total", 0))) for w in ws if w["role"] == "learner")
+    )
+    t.add_row("last episode return (learners)", ", ".join(f"{r:.1f}" for r in learner_returns if r is not None) or "-")
+    metrics_text = run.state.get("metrics_text", "")
+    for name in HEADLINE_METRICS:
+        line = next((ln for ln in metrics_text.splitlines() if ln.startswith(f'{name}{{pool="{POOL}"}}')), None)
+        t.add_row(f"{name} (mid-run)", line.split(" ", 1)[1] if line else "missing")
+    for title, ok in scenes_ok.items():
+        t.add_row(title, "[green]ok" if ok else "[red]FAILED")
+    for note in run.notes:
+        t.add_row("", note)
+    return t
+
+
+def run_demo(console: Console, workers: int = 3, duration_s: float = 25.0, keep_home: bool = False) -> int:
+    home = Path(tempfile.mkdtemp(prefix="dsec-demo-"))
+    start = time.time()
+    console.rule("[bold]DSec demo")
+    console.print(f"DSEC_HOME={home}  (SQLite store, embedded control plane on 127.0.0.1)")
+    cluster = resources.files("dsec") / "data" / "cluster.yaml"
+    admin = "dsa_demo_" + os.urandom(8).hex()
+    settings = Settings.from_env(
+        home=home, admin_token=admin, cluster_file=Path(str(cluster)), lost_after_beats=3, reconcile_interval_s=0.2
+    )
+    app = create_app(settings)
+    procs: list[Proc] = []
+    code = 1
+    with ServerThread(app) as server, Client(server.url, token=admin) as client:
+        pool_token = client.create_token(POOL, label="demo")
+        console.print(f"control plane {server.url}: {len(client.pools())} pools from the example cluster file")
+        env = {
+            **os.environ,
+            "DSEC_ENDPOINT": server.url,
+            "DSEC_SANDBOX_ID": POOL,
+            "DSEC_TOKEN": pool_token,
+            "DSEC_HEARTBEAT_INTERVAL": str(HEARTBEAT_S),
+            "DSEC_DEMO_SECONDS": str(duration_s),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.pop("DSEC_HOME", None)
+        for rank in range(workers):
+            procs.append(_spawn("learner", rank, workers, env, home))
+        procs.append(_spawn("actor", 0, 1, env, home))
+        console.print(
+            f"started {workers} DDP learner processes (gloo) and 1 actor process; heartbeat every {HEARTBEAT_S} s"
+        )
+        run = DemoRun(console, client, procs)
+        pending = list(SCENES)
+        try:
+            # Wait for every process to register (import torch takes a few seconds per process).
+            deadline = time.time() + 60
+            while len(run.worker_ids()) < workers + 1 and time.time() < deadline:
+                time.sleep(0.2)
+            t0 = time.time()
+            total = duration_s + 5
+            cursor, recent = 0, list[dict[str, Any]]()
+            with Live(console=console, refresh_per_second=4, transient=False) as live:
+                while any(p.popen.poll() is None for p in procs if p.role == "learner"):
+                    frac = (time.time() - t0) / duration_s
+                    for scene in [s for s in pending if frac >= s.at]:
+                        scene.act(run)
+                        pending.remove(scene)
+                    s = client.status()
+                    mine = [w for w in s["workers"] if w["pool"] == POOL]
+                    page = client.events(pool=POOL, cursor=cursor, limit=1000)
+                    recent = (recent + page["items"])[-8:]
+                    cursor = recent[-1]["id"] if recent else cursor
+                    live.update(
+                        Group(
+                            workers_table(mine, now=s["server_time"], title=f"Workers in {POOL}"),
+                            events_table(recent, title="Latest events"),
+                        )
+                    )
+                    if time.time() - t0 > total + 60:
+                        console.print("[red]learners did not finish in time; stopping them")
+                        break
+                    time.sleep(0.25)
+            # Give the control plane a beat to notice the last deregistrations.
+            time.sleep(2 * HEARTBEAT_S)
+            scenes_ok = {s.title: s.check(run) for s in SCENES}
+            learners_ok = all(p.popen.wait(timeout=30) == 0 for p in procs if p.role == "learner")
+            scenes_ok["training processes finished cleanly"] = learners_ok
+            console.print(pools_table(client.status()))
+            console.print(_summary(run, scenes_ok, time.time() - start))
+            code = 0 if all(scenes_ok.values()) else 1
+            if not learners_ok:
+                for p in procs:
+                    console.print(f"[dim]--- {p.name} log (tail) ---\n{p.log.read_text()[-2000:]}")
+        finally:
+            for p in procs:
+                if p.popen.poll() is None:
+                    p.popen.kill()
+                p.popen.wait()
+    if keep_home:
+        console.print(f"state kept in {home}")
+    else:
+        shutil.rmtree(home, ignore_errors=True)
+    console.rule("[bold green]demo finished" if code == 0 else "[bold red]demo finished with failures")
+    return code

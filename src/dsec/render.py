@@ -1,0 +1,116 @@
+"""Rich tables for the CLI and the demo, built from the API's JSON (so both show the same thing)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+
+_STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
+
+# Metrics shown in the status table when a worker reports them (first found wins per column).
+_METRIC_COLUMNS = (
+    ("step ms", ("step_ms_mean", "step_time_ms_mean")),
+    ("sync ms", ("sync_ms_mean", "sync_latency_ms_mean")),
+    ("loss", ("loss_mean", "loss")),
+    ("return", ("episode_return_mean",)),
+    ("steps", ("steps_total",)),
+)
+
+
+def _metric(metrics: Mapping[str, float], keys: Sequence[str]) -> str:
+    for k in keys:
+        if k in metrics:
+            v = float(metrics[k])
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return "-"
+
+
+def pools_table(status: Mapping[str, Any]) -> Table:
+    t = Table(title="Pools", expand=False)
+    for col in (
+        "pool",
+        "devices",
+        "bw cap MB/s",
+        "lat cap ms",
+        "mem base/ceil GB",
+        "snap s",
+        "active",
+        "lost",
+        "pending",
+        "meltdowns",
+    ):
+        t.add_column(col, justify="right" if col != "pool" else "left")
+    for p in status.get("pools", []):
+        th = p["thresholds"]
+        t.add_row(
+            p["name"],
+            str(len(p["devices"])),
+            f"{th['bandwidth_cap_mbps']:g}",
+            f"{th['latency_cap_ms']:g}",
+            f"{p['memory_base_gb']:g}/{p['memory_ceiling_gb']:g}",
+            f"{p['snapshot_interval_s']:g}",
+            str(p["workers"]["active"]),
+            str(p["workers"]["lost"]),
+            str(p["directives_pending"]),
+            str(p["meltdowns"]),
+        )
+    return t
+
+
+def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None, title: str = "Workers") -> Table:
+    now = time.time() if now is None else now
+    t = Table(title=title, expand=False)
+    for col in (
+        "worker",
+        "pool",
+        "group",
+        "role",
+        "rank",
+        "state",
+        "beats",
+        "last beat",
+        "bits/accum",
+        "directive desired/acked",
+        *(c for c, _ in _METRIC_COLUMNS),
+    ):
+        t.add_column(col, justify="left" if col in ("worker", "pool", "group", "role", "state") else "right")
+    for w in workers:
+        d = w["directive"]
+        sync = "[green]" if d["in_sync"] else "[yellow]"
+        desired = d["desired"]
+        # What the directive asks for; the breaker's level itself arrives with the breaker.
+        degradation = f"{desired['compression_bits']}b/x{desired['grad_accum_steps']}"
+        t.add_row(
+            w["id"],
+            w["pool"],
+            w["group"],
+            w["role"],
+            str(w["rank"]),
+            f"[{_STATE_STYLE.get(w['state'], 'white')}]{w['state']}",
+            str(w["beats"]),
+            f"{max(0.0, now - w['last_beat_at']):.1f}s ago",
+            degradation,
+            f"{sync}v{d['desired_version']}/v{d['acked_version']}",
+            *(_metric(w["metrics"], keys) for _, keys in _METRIC_COLUMNS),
+        )
+    return t
+
+
+def events_table(events: Sequence[Mapping[str, Any]], title: str = "Events") -> Table:
+    t = Table(title=title, expand=False)
+    for col in ("id", "time", "type", "worker", "pool", "data"):
+        t.add_column(col)
+    for e in events:
+        data = ", ".join(f"{k}={v}" for k, v in e["data"].items())
+        t.add_row(
+            str(e["id"]),
+            time.strftime("%H:%M:%S", time.localtime(e["ts"])),
+            e["type"],
+            e["worker_id"] or "-",
+            e["pool"] or "-",
+            data[:80],
+        )
+    return t
