@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -143,7 +144,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an already sorted list (q in 0..100); NaN when empty."""
     if not sorted_values:
         return float("nan")
-    k = max(0, min(len(sorted_values) - 1, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
     return sorted_values[k]
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PySpy, ServerProcess, admin_client, percentile  # noqa: E402
+from _common import PySpy, ServerProcess, admin_client, percentile
 
 POOL = "bench"
 METRIC_VARIANTS = 64

@@ -37,7 +37,7 @@ class Thresholds(Strict):
 class PoolSpec(Strict):
     name: Name
     devices: list[Name] = Field(default_factory=list, max_length=4096)
-    thresholds: Thresholds = Field(default_factory=lambda: Thresholds())
+    thresholds: Thresholds = Field(default_factory=Thresholds)
     memory_base_gb: MemoryGB = 7.0
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
@@ -55,7 +55,7 @@ class PoolUpdate(Strict):
     """Body of PUT /v1/pools/{name}: a PoolSpec whose name comes from the path."""
 
     devices: list[Name] = Field(default_factory=list, max_length=4096)
-    thresholds: Thresholds = Field(default_factory=lambda: Thresholds())
+    thresholds: Thresholds = Field(default_factory=Thresholds)
     memory_base_gb: MemoryGB = 7.0
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)

@@ -1,0 +1,200 @@
+"""Shared fixtures: a clean environment for every test, and a real control plane on 127.0.0.1.
+
+``server`` is a real uvicorn server (``ServerThread``) over a fresh SQLite file in ``tmp_path``, with
+pools ``pool-a`` and ``pool-b`` created through the API and one pool token each. ``server_factory``
+starts more servers (e.g. a second one on the same file, to test restarts); everything it starts is
+stopped at teardown, and the autouse ``_no_leaked_threads`` check fails a test that leaves a DSec
+thread (server, writer, reporter) running.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dsec.client import Client
+from dsec.control.app import create_app
+from dsec.control.server import ServerThread
+from dsec.control.settings import Settings
+
+ADMIN_TOKEN = "dsa_test-admin-token-0123456789"
+POOLS = ("pool-a", "pool-b")
+# Small enough that an oversized body fits in the socket buffers (the server answers 413 without
+# reading it), large enough for every legitimate request the tests send.
+MAX_BODY_BYTES = 64 * 1024
+
+
+# -- environment hygiene ---------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _clean_environ() -> Iterator[None]:
+    """Snapshot os.environ, drop every DSEC_* variable for the test, restore the snapshot afterwards."""
+    saved = dict(os.environ)
+    for key in [k for k in os.environ if k.startswith("DSEC_")]:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _dsec_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("dsec-") and t.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads() -> Iterator[None]:
+    """Every server, writer and reporter thread a test starts must be stopped by its teardown."""
+    before = _dsec_threads()
+    yield
+    deadline = time.monotonic() + 10
+    leaked = _dsec_threads() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.02)
+        leaked = _dsec_threads() - before
+    assert not leaked, f"test left threads running: {sorted(t.name for t in leaked)}"
+
+
+# -- polling ------------------------------------------------------------------------------------------
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value (returned) or fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- the control plane ----------------------------------------------------------------------------
+def make_settings(home: Path, **overrides: Any) -> Settings:
+    """Test settings: a SQLite file under ``home``, the test admin token, short intervals."""
+    opts: dict[str, Any] = {
+        "home": home,
+        "admin_token": ADMIN_TOKEN,
+        "flush_interval_s": 0.05,
+        "reconcile_interval_s": 0.05,
+        "max_body_bytes": MAX_BODY_BYTES,
+    }
+    opts.update(overrides)
+    return Settings.from_env(**opts)
+
+
+@dataclass
+class Worker:
+    """A registered worker: its id, its own token and the register answer."""
+
+    id: str
+    token: str
+    pool: str
+    answer: dict[str, Any]
+
+
+@dataclass
+class Harness:
+    """One running control plane and what the tests need to talk to it."""
+
+    settings: Settings
+    server: ServerThread
+    admin: Client
+    pool_tokens: dict[str, str] = field(default_factory=dict)
+    _clients: list[Client] = field(default_factory=list)
+    _closed: bool = False
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def admin_token(self) -> str:
+        assert self.settings.admin_token is not None
+        return self.settings.admin_token
+
+    @property
+    def database_url(self) -> str:
+        return self.settings.database_url
+
+    def client(self, token: str | None = None) -> Client:
+        """A ``dsec.client.Client`` closed with the harness."""
+        c = Client(self.url, token=token)
+        self._clients.append(c)
+        return c
+
+    def http(self) -> httpx.Client:
+        """A raw httpx client (the caller closes it; prefer a ``with`` block)."""
+        return httpx.Client(base_url=self.url, timeout=10.0)
+
+    def create_pools(self, names: tuple[str, ...] = POOLS) -> None:
+        for name in names:
+            self.admin.put_pool(name)
+            self.pool_tokens[name] = self.admin.create_token(name, label=f"test {name}")
+
+    def register(self, pool: str = "pool-a", token: str | None = None, **kw: Any) -> Worker:
+        """Register a worker with the pool's token; answers its id and worker token."""
+        answer = self.admin.register(pool, token=token or self.pool_tokens[pool], **kw)
+        return Worker(answer["worker_id"], answer["worker_token"], pool, answer)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self._clients:
+            c.close()
+        self.admin.close()
+        self.server.close()
+        assert not self.server._thread.is_alive(), "server thread did not stop"
+
+
+def start_harness(settings: Settings, port: int | None = None, pools: bool = False) -> Harness:
+    """Start a real server for ``settings`` (on ``port`` if given); optionally create the two pools."""
+    server = ServerThread(create_app(settings), port=port)
+    h = Harness(settings=settings, server=server, admin=Client(server.url, token=settings.admin_token))
+    if pools:
+        try:
+            h.create_pools()
+        except BaseException:
+            h.close()
+            raise
+    return h
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    """``start(settings=None, port=None, pools=False) -> Harness``; every harness is closed at teardown."""
+    started: list[Harness] = []
+
+    def start(settings: Settings | None = None, port: int | None = None, pools: bool = False) -> Harness:
+        h = start_harness(settings or make_settings(tmp_path / "home"), port=port, pools=pools)
+        started.append(h)
+        return h
+
+    yield start
+    for h in reversed(started):
+        h.close()
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., Harness]) -> Harness:
+    """A running control plane over a fresh SQLite file with pools ``pool-a`` and ``pool-b``."""
+    return server_factory(pools=True)
+
+
+@pytest.fixture
+def register_worker(server: Harness) -> Callable[..., Worker]:
+    """``register_worker(pool="pool-a", **fields) -> Worker`` on the ``server`` fixture."""
+    return server.register
