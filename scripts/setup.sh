@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.dsec-setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/fetch-promtool.sh | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/dsec" ]; then
     exit 0
@@ -19,5 +19,6 @@ if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.s
     "${PIP[@]}" install "torch==2.13.0"
 fi
 "${PIP[@]}" install -e ".[torch,gym,postgres,dev]" 2>&1 | grep -v "^WARNING: Location" || true
-"$VENV/bin/python" -c 'import dsec, torch, fastapi, gymnasium' 
+"$VENV/bin/python" -c 'import dsec, torch, fastapi, gymnasium'
+bash scripts/fetch-promtool.sh
 echo "$want" > "$STAMP"

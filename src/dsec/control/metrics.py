@@ -3,10 +3,10 @@
 The per-pool gauges are computed at scrape time from the hot state (a custom collector), so the
 heartbeat path does no metric work beyond one counter increment.
 
-Naming: the four headline names are fixed by the product (dashboards and policies refer to them):
-``dsec_melt_down_count`` is exposed as a gauge that only grows, because a Prometheus counter must be
-named ``*_total``; ``dsec_snapshot_recovery_time`` is in seconds but carries no ``_seconds`` suffix.
-``promtool check metrics`` reports exactly those two naming lints (see docs/protocol.md).
+Naming: the four headline names are fixed by the product (dashboards and policies refer to them).
+``dsec_melt_down_count`` is exposed as a gauge that only grows, because a Prometheus counter's samples
+must be named ``*_total``; ``promtool check metrics`` reports that one "_count suffix" lint and nothing
+else (see docs/protocol.md). ``dsec_snapshot_recovery_time`` is in seconds.
 """
 
 from __future__ import annotations
