@@ -54,7 +54,9 @@ def _client(endpoint: str, token: str | None) -> Client:
 
 
 def _fail(exc: Exception, code: int = 1) -> typer.Exit:
-    err.print(f"[red]error:[/red] {exc}")
+    # Plain text, unwrapped: messages carry paths and "field[0]" locations that must stay greppable.
+    err.print("error:", style="red", end=" ")
+    err.print(str(exc), markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -90,7 +92,7 @@ def serve(
         from dataclasses import replace
 
         settings = replace(settings, admin_token=token_file.read_text().strip())
-        err.print(f"admin token in {token_file}")
+        err.print(f"admin token in {token_file}", markup=False, soft_wrap=True)
     try:
         fastapi_app = create_app(settings)
     except (ConfigError, StoreError) as exc:

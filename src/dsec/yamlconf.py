@@ -32,8 +32,10 @@ class Marked:
     marks: dict[Loc, tuple[int, int]]  # location -> (line, column), both 1-based
 
 
-def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]]) -> Any:
-    marks[loc] = (node.start_mark.line + 1, node.start_mark.column + 1)
+def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]], at: yaml.Mark | None = None) -> Any:
+    # A mapping value is located at its key ("line of the field"), anything else at its own start.
+    mark = at or node.start_mark
+    marks[loc] = (mark.line + 1, mark.column + 1)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
@@ -45,7 +47,7 @@ def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]]) -> Any:
             if key in out:
                 line = key_node.start_mark.line + 1
                 raise ConfigError([f"<>:{line}:{key_node.start_mark.column + 1}: duplicate key {key!r}"])
-            out[key] = _walk(value_node, (*loc, key), marks)
+            out[key] = _walk(value_node, (*loc, key), marks, key_node.start_mark)
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_walk(item, (*loc, i), marks) for i, item in enumerate(node.value)]

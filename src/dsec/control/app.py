@@ -277,12 +277,13 @@ def ops_routes() -> APIRouter:
 
 def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
     """Build the app. Opens (and migrates) the store now, so a bad database URL fails here, loudly."""
+    # The cluster file is checked before anything is opened: a typo in it starts nothing.
+    cluster = load_cluster(settings.cluster_file) if settings.cluster_file is not None else None
     owned_store = store is None
     store = store or open_store(settings.database_url)
     cp = ControlPlane(settings, store, clock)
-    if settings.cluster_file is not None:
-        pools, devices = load_cluster(settings.cluster_file)
-        cp.apply_cluster(pools, devices)
+    if cluster is not None:
+        cp.apply_cluster(*cluster)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
