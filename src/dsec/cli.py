@@ -251,6 +251,46 @@ def directive_show(worker_id: str, endpoint: Endpoint = DEFAULT_ENDPOINT, admin_
         raise _fail(exc) from None
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option(help="Harness plugin file (plugins: - name: dsec_monitor).")] = None,
+    sandbox_id: Annotated[str | None, typer.Option(help="Pool (sandbox) id; default $DSEC_SANDBOX_ID.")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="Control plane; default $DSEC_ENDPOINT.")] = None,
+    token: Annotated[str | None, typer.Option(help="Pool token; default $DSEC_TOKEN.")] = None,
+    role: Annotated[str | None, typer.Option(help="actor | learner | other")] = None,
+) -> None:
+    """Run COMMAND with the DSec probe injected into every Python process it starts: dsec run -- python train.py"""
+    from dsec.probe.config import plugin_env
+    from dsec.probe.launch import probe_env
+    from dsec.probe.launch import run as run_command
+
+    command = list(ctx.args)
+    if not command:
+        raise _fail(ValueError("no command given: dsec run [OPTIONS] -- COMMAND [ARGS...]"), 2)
+    settings: dict[str, str] = {}
+    if config is not None:
+        try:
+            settings.update(plugin_env(config))
+        except ConfigError as exc:
+            raise _fail(exc, 2) from None
+    for key, value in (
+        ("DSEC_SANDBOX_ID", sandbox_id),
+        ("DSEC_ENDPOINT", endpoint),
+        ("DSEC_TOKEN", token),
+        ("DSEC_ROLE", role),
+    ):
+        if value is not None:
+            settings[key] = value
+    env = probe_env(os.environ, settings)
+    if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
+        err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
+    try:
+        sys.exit(run_command(command, env))
+    except FileNotFoundError as exc:
+        raise _fail(exc, 127) from None
+
+
 @app.command()
 def demo(
     workers_n: Annotated[int, typer.Option("--workers", min=2, max=8, help="Training processes.")] = 3,

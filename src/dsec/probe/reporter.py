@@ -30,7 +30,10 @@ from dsec.client import ApiError, Client, ClientError
 
 log = logging.getLogger(__name__)
 
+# Returns True when the directive is in force now (acked on the next beat), False when it will be
+# applied at a later safe point — the caller then acks it with ``Reporter.ack(version)``.
 DirectiveHandler = Callable[[Mapping[str, Any]], bool]
+Collector = Callable[[], Mapping[str, float]]
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class Reporter:
         self.dropped_events = 0
         self.dropped_nonfinite = 0
         self.last_error: str | None = None
+        self._collectors: list[Collector] = []
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -130,13 +134,22 @@ class Reporter:
         with self._lock:
             self._counters[name] = self._counters.get(name, 0.0) + n
 
-    def event(self, type: str, urgent: bool = False, **data: Any) -> None:
+    def event(self, type: str, /, urgent: bool = False, **data: Any) -> None:
         with self._lock:
             if len(self._events) == self._events.maxlen:
                 self.dropped_events += 1
             self._events.append({"type": type, "ts": time.time(), "data": data})
         if urgent:
             self._wake.set()
+
+    def add_collector(self, collector: Collector) -> None:
+        """``collector()`` is called once per beat (on the reporter thread); its metrics join the beat."""
+        self._collectors.append(collector)
+
+    def ack(self, version: int) -> None:
+        """Declare directive ``version`` applied (for handlers that applied it later, at a safe point)."""
+        if self.directive is not None and int(self.directive.get("version", 0)) == version:
+            self.applied_version = version
 
     def beat_now(self) -> None:
         """Send the next beat at once instead of at the next interval (sharp anomalies)."""
@@ -218,11 +231,22 @@ class Reporter:
         self._pending = None
         self.worker_id = answer["worker_id"]
         self.last_error = None
+        # A new registration starts a new directive history (versions restart at 1).
+        self.directive = None
+        self.applied_version = 0
         self._apply(answer.get("directive"))
 
     def _take_payload(self) -> dict[str, Any]:
+        collected: dict[str, float] = {}
+        for collector in self._collectors:
+            try:
+                collected.update(collector())
+            except Exception:  # a broken collector loses its metrics, never the beat
+                log.debug("dsec: metric collector failed", exc_info=True)
+        collected = {k: float(v) for k, v in collected.items() if math.isfinite(v)}
         with self._lock:
-            metrics: dict[str, float] = dict(self._gauges)
+            metrics: dict[str, float] = collected
+            metrics.update(self._gauges)
             metrics.update(self._counters)
             for name, agg in self._observed.items():
                 if agg.count:
@@ -269,6 +293,8 @@ class Reporter:
     def _apply(self, directive: Mapping[str, Any] | None) -> None:
         if not directive or directive.get("version", 0) == self.applied_version:
             return
+        if self.directive is not None and directive.get("version") == self.directive.get("version"):
+            return  # already handed to the handler; waiting for its safe point
         self.directive = dict(directive)
         ok = True
         if self._on_directive is not None:

@@ -1,0 +1,286 @@
+"""The DDP comm hook: measured, compressed and accumulated gradient synchronization.
+
+Per bucket the hook measures the bytes this rank hands to the backend and the latency to completion,
+and carries out two directive fields:
+
+* ``compression_bits`` — each rank encodes its gradient at its *own* level: 32 (float32), 16 (fp16),
+  8 or 4 (block quantization with one float32 scale per 256 values, error feedback). When every rank
+  uses 32 or every rank uses 16 the bucket goes through one ``all_reduce``; when every rank uses the
+  same 8/4-bit level, through one ``all_gather`` of the packed payloads; when levels differ, through one
+  ``all_to_all_single`` with uneven splits — so a degraded rank uploads less without forcing its peers
+  to. Quantized payloads are never summed as integers: each rank dequantizes every peer's payload with
+  that peer's scales, then averages in float32. The quantization error of a step is carried into the
+  next step (error feedback), keyed by the bucket's parameters, so DDP's re-bucketing after the first
+  step never applies a residual to the wrong layout (a changed layout starts from zero residual).
+
+* ``grad_accum_steps`` — synchronize every N backward passes: between syncs the hook returns the local
+  bucket unchanged, autograd accumulates into ``.grad``, and the optimizer step and ``zero_grad`` are
+  skipped by the probe (see torch_hooks.py); the sync step averages the accumulated sum over N x world,
+  so one optimizer update sees the mean gradient of N x world micro-batches at the unchanged learning
+  rate. Accumulation must be the same on every rank, so the group uses the largest N any rank asks for.
+
+Agreement without extra collectives: the last bucket of every synchronized step carries a small header
+with every rank's *desired* (bits, accum) — one-hot slots summed by the all_reduce, or a prefix of each
+rank's chunk. All ranks see the same headers, so at the next cycle start they switch together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from dsec import quant
+from dsec.probe.actuators import Actuators
+from dsec.probe.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 8  # int32 desired bits, int32 desired accum
+FP16_MAX = 65504.0
+
+
+def chunk_bytes(numel: int, bits: int, block: int = quant.DEFAULT_BLOCK) -> int:
+    """Bytes of one rank's encoded bucket (payload only, no header)."""
+    if bits == 32:
+        return numel * 4
+    if bits == 16:
+        return numel * 2
+    code_bytes, nblocks = quant.encoded_size(numel, bits, block)
+    return code_bytes + 4 * nblocks
+
+
+class SyncCoordinator:
+    """Per-DDP-model hook state. ``hook`` is registered with ``register_comm_hook(None, hook)``."""
+
+    def __init__(
+        self,
+        actuators: Actuators,
+        telemetry: Telemetry,
+        process_group: Any = None,
+        collectives: Any = None,
+        block: int = quant.DEFAULT_BLOCK,
+        error_feedback: bool = True,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        # Unpatched collectives: the hook's own traffic is gradient sync, not user collectives.
+        self._c = collectives or dist
+        self.pg = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.actuators = actuators
+        self.telemetry = telemetry
+        self.block = block
+        self.error_feedback = error_feedback
+        default = actuators.default_bits
+        self.peer_bits = [default] * self.world  # agreed: identical on every rank
+        self.accum = 1
+        self._seen: list[tuple[int, int]] | None = None  # headers of the last synced step
+        self._cycle_pos = 0
+        self._in_backward = False
+        self._sync_now = True
+        self.last_backward_synced = True
+        self._residual: dict[tuple[int, ...], torch.Tensor] = {}
+        self._grad_sq = 0.0
+        self.steps = 0
+        actuators.collective_users += 1
+
+    # -- cycle bookkeeping ----------------------------------------------------------------------------
+    def _start_cycle(self) -> None:
+        # Settings the group agreed on from the last synced step's headers take effect now, on every
+        # rank at once; then this rank declares what it wants next (carried by this cycle's headers).
+        if self._seen is not None:
+            self.peer_bits = [b for b, _ in self._seen]
+            self.accum = max(a for _, a in self._seen)
+            self._seen = None
+        self.actuators.confirm(self.peer_bits[self.rank], self.accum)
+        self._my_desired = self.actuators.declare()
+
+    def hook(self, _state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        import torch
+
+        if not self._in_backward:
+            self._in_backward = True
+            if self._cycle_pos == 0:
+                self._start_cycle()
+            self._sync_now = self._cycle_pos >= self.accum - 1
+        last = bucket.is_last()
+        if last:
+            self._in_backward = False
+            self.last_backward_synced = self._sync_now
+            self._cycle_pos = 0 if self._sync_now else self._cycle_pos + 1
+            self.steps += 1
+        buf = bucket.buffer()
+        if not self._sync_now:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+        params = tuple(id(p) for p in bucket.parameters())
+        start = time.perf_counter()
+        bits = self.peer_bits
+        if all(b == 32 for b in bits) or all(b == 16 for b in bits):
+            return self._all_reduce(buf, bits[0], last, start)
+        return self._exchange(buf, params, last, start)
+
+    # -- paths ----------------------------------------------------------------------------------------
+    def _header_onehot(self, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        h = torch.zeros(2 * self.world, dtype=dtype)
+        h[2 * self.rank] = self._my_desired[0]
+        h[2 * self.rank + 1] = self._my_desired[1]
+        return h
+
+    def _all_reduce(self, buf: torch.Tensor, bits: int, last: bool, start: float) -> torch.futures.Future[torch.Tensor]:
+        import torch
+
+        scale = 1.0 / (self.world * self.accum)
+        send = buf.mul(scale)
+        if bits == 16:
+            send = send.clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
+        if last:
+            send = torch.cat((send, self._header_onehot(send.dtype)))
+        nbytes = send.numel() * send.element_size()
+        work = self._c.all_reduce(send, group=self.pg, async_op=True)
+        n = buf.numel()
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                fut.value()
+            except Exception:
+                self.telemetry.record_sync(nbytes, time.perf_counter() - start, False)
+                raise
+            if last:
+                header = send[n:].to(torch.int64).view(self.world, 2).tolist()
+                self._seen = [(int(b), int(a)) for b, a in header]
+            buf.copy_(send[:n])
+            self._finish(buf, last, nbytes, start)
+            return buf
+
+        return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(done))
+
+    def _encode(self, buf: torch.Tensor, bits: int, params: tuple[int, ...]) -> torch.Tensor:
+        """This rank's chunk: header + payload (uint8). Applies and updates error feedback."""
+        import torch
+
+        x = buf.to(torch.float32)
+        use_ef = self.error_feedback and bits < 32
+        if use_ef:
+            res = self._residual.get(params)
+            if res is not None and res.numel() == x.numel():
+                x = x + res
+        if bits == 32:
+            payload = x.contiguous().view(torch.uint8)
+            decoded = None
+        elif bits == 16:
+            half = x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+            payload = half.view(torch.uint8)
+            decoded = half.to(torch.float32)
+        else:
+            qt = quant.quantize(x, bits, self.block)
+            payload = quant.to_bytes(qt)
+            decoded = quant.dequantize(qt)
+        if use_ef and decoded is not None:
+            self._residual[params] = x - decoded
+        header = torch.tensor(list(self._my_desired), dtype=torch.int32).view(torch.uint8)
+        return torch.cat((header, payload.reshape(-1)))
+
+    def _decode(self, chunk: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+        import torch
+
+        payload = chunk[HEADER_BYTES:]
+        if bits == 32:
+            return payload.clone().view(torch.float32)
+        if bits == 16:
+            return payload.clone().view(torch.float16).to(torch.float32)
+        return quant.dequantize(quant.from_bytes(payload, numel, bits, self.block))
+
+    def _exchange(
+        self, buf: torch.Tensor, params: tuple[int, ...], last: bool, start: float
+    ) -> torch.futures.Future[torch.Tensor]:
+        import torch
+
+        n = buf.numel()
+        bits = self.peer_bits
+        mine = self._encode(buf, bits[self.rank], params)
+        sizes = [HEADER_BYTES + chunk_bytes(n, b, self.block) for b in bits]
+        nbytes = mine.numel()
+        if len(set(bits)) == 1:
+            outs = [torch.empty(sizes[0], dtype=torch.uint8) for _ in range(self.world)]
+            work = self._c.all_gather(outs, mine, group=self.pg, async_op=True)
+
+            def chunks() -> list[torch.Tensor]:
+                return outs
+        else:
+            out = torch.empty(sum(sizes), dtype=torch.uint8)
+            work = self._c.all_to_all_single(
+                out,
+                mine.repeat(self.world),
+                output_split_sizes=sizes,
+                input_split_sizes=[nbytes] * self.world,
+                group=self.pg,
+                async_op=True,
+            )
+
+            def chunks() -> list[torch.Tensor]:
+                return list(torch.split(out, sizes))
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                fut.value()
+            except Exception:
+                self.telemetry.record_sync(nbytes, time.perf_counter() - start, False)
+                raise
+            parts = chunks()
+            total = torch.zeros(n, dtype=torch.float32)
+            headers = []
+            for r, part in enumerate(parts):
+                total += self._decode(part, n, bits[r])
+                b, a = part[:HEADER_BYTES].clone().view(torch.int32).tolist()
+                headers.append((int(b), int(a)))
+            if last:
+                self._seen = headers
+            buf.copy_(total.div_(self.world * self.accum))
+            self._finish(buf, last, nbytes, start)
+            return buf
+
+        return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(done))
+
+    def _finish(self, buf: torch.Tensor, last: bool, nbytes: int, start: float) -> None:
+        import torch
+
+        self._grad_sq += float(torch.linalg.vector_norm(buf).item()) ** 2
+        self.telemetry.record_sync(nbytes, time.perf_counter() - start, True)
+        if last:
+            self.grad_norm = self._grad_sq**0.5
+            self._grad_sq = 0.0
+
+    grad_norm: float | None = None
+
+
+def measured_hook(user_hook: Callable[[Any, Any], Any], telemetry: Telemetry) -> Callable[[Any, Any], Any]:
+    """Wrap a comm hook the user registered: measure bytes and latency, change nothing else."""
+
+    def hook(state: Any, bucket: Any) -> Any:
+        start = time.perf_counter()
+        nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+        fut = user_hook(state, bucket)
+
+        def done(f: Any) -> Any:
+            try:
+                value = f.value()
+            except Exception:
+                telemetry.record_sync(nbytes, time.perf_counter() - start, False)
+                raise
+            telemetry.record_sync(nbytes, time.perf_counter() - start, True)
+            return value
+
+        return fut.then(done)
+
+    return hook

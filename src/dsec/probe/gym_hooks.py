@@ -1,0 +1,177 @@
+"""Instrumentation of gymnasium, installed right after ``import gymnasium`` finishes.
+
+Environments created through ``gymnasium.make`` are wrapped in ``EpisodeMonitor``; vector environments
+created through ``gymnasium.make_vec`` in ``VectorEpisodeMonitor`` (their sub-environments are then not
+wrapped again, so nothing is counted twice). Environments constructed directly, without ``make``, are
+not seen. The monitors count steps, episode returns and lengths, terminated vs truncated, and
+"interrupted" episodes — an episode whose final ``info`` has a true value under one of the configured
+keys (default ``collision``, ``crash``, ``interrupted``). While the control plane has paused
+asynchronous sampling in an ``actor`` process, ``step`` waits (heartbeats continue on their thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsec.probe.runtime import Probe
+
+_inside_make_vec = threading.local()
+
+
+def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> bool:
+    if not isinstance(info, dict):
+        return False
+    for key in keys:
+        value = info.get(key)
+        if value is None:
+            continue
+        if index is not None:
+            try:
+                mask = info.get(f"_{key}")
+                if mask is not None and not bool(mask[index]):
+                    continue
+                value = value[index]
+            except (TypeError, IndexError, KeyError):
+                continue
+        try:
+            if bool(value):
+                return True
+        except (TypeError, ValueError):
+            continue
+    return False
+
+
+class GymInstrumentation:
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    def install(self, gym: ModuleType) -> None:
+        probe = self.probe
+        keys = tuple(probe.config.interrupt_info_keys)
+        wrapper_base = gym.Wrapper
+        vector_base = gym.vector.VectorWrapper
+
+        class EpisodeMonitor(wrapper_base):  # type: ignore[misc, valid-type]
+            """Counts steps and episodes of one environment for the DSec probe."""
+
+            def __init__(self, env: Any) -> None:
+                super().__init__(env)
+                self._ret = 0.0
+                self._len = 0
+
+            def reset(self, **kwargs: Any) -> Any:
+                self._ret, self._len = 0.0, 0
+                return self.env.reset(**kwargs)
+
+            def step(self, action: Any) -> Any:
+                probe.wait_for_sampling()
+                obs, reward, terminated, truncated, info = self.env.step(action)
+                self._ret += float(reward)
+                self._len += 1
+                probe.telemetry.record_env_steps(1)
+                if terminated or truncated:
+                    probe.telemetry.record_episode(
+                        self._ret, self._len, bool(terminated), bool(truncated), _interrupted(info, keys)
+                    )
+                    probe.after_episode()
+                    self._ret, self._len = 0.0, 0
+                return obs, reward, terminated, truncated, info
+
+        class VectorEpisodeMonitor(vector_base):  # type: ignore[misc, valid-type]
+            """Counts steps and episodes of a vector environment, honouring its autoreset mode."""
+
+            def __init__(self, env: Any) -> None:
+                super().__init__(env)
+                n = env.num_envs
+                self._ret = [0.0] * n
+                self._len = [0] * n
+                self._resetting = [False] * n
+                mode = getattr(env, "metadata", {}).get("autoreset_mode")
+                # NEXT_STEP (gymnasium's default): the step after an episode ends only resets that
+                # sub-environment (reward 0, action ignored): it is not a step of the next episode.
+                self._next_step = mode is None or getattr(mode, "value", str(mode)).lower() == "next_step"
+
+            def reset(self, **kwargs: Any) -> Any:
+                n = self.env.num_envs
+                self._ret, self._len, self._resetting = [0.0] * n, [0] * n, [False] * n
+                return self.env.reset(**kwargs)
+
+            def step(self, actions: Any) -> Any:
+                probe.wait_for_sampling()
+                obs, rewards, terminated, truncated, info = self.env.step(actions)
+                stepped = 0
+                for i in range(len(self._ret)):
+                    if self._resetting[i]:
+                        self._resetting[i] = False
+                        continue
+                    stepped += 1
+                    self._ret[i] += float(rewards[i])
+                    self._len[i] += 1
+                    if terminated[i] or truncated[i]:
+                        probe.telemetry.record_episode(
+                            self._ret[i],
+                            self._len[i],
+                            bool(terminated[i]),
+                            bool(truncated[i]),
+                            _interrupted(info, keys, i),
+                        )
+                        self._ret[i], self._len[i] = 0.0, 0
+                        self._resetting[i] = self._next_step
+                        probe.after_episode()
+                probe.telemetry.record_env_steps(stepped)
+                return obs, rewards, terminated, truncated, info
+
+        self.EpisodeMonitor = EpisodeMonitor
+        self.VectorEpisodeMonitor = VectorEpisodeMonitor
+        self._patch(gym, "make", self._wrap_make(gym.make, EpisodeMonitor))
+        self._patch(gym, "make_vec", self._wrap_make_vec(gym.make_vec, VectorEpisodeMonitor))
+
+    def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
+        self._restore.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+        self._restore.clear()
+
+    def _wrap_make(self, fn: Callable[..., Any], monitor: type) -> Callable[..., Any]:
+        probe = self.probe
+
+        @functools.wraps(fn)
+        def make(*args: Any, **kwargs: Any) -> Any:
+            env = fn(*args, **kwargs)
+            if getattr(_inside_make_vec, "active", False):
+                return env
+            probe.activity("gym")
+            return monitor(env)
+
+        return make
+
+    def _wrap_make_vec(self, fn: Callable[..., Any], monitor: type) -> Callable[..., Any]:
+        probe = self.probe
+
+        @functools.wraps(fn)
+        def make_vec(*args: Any, **kwargs: Any) -> Any:
+            with _flag():
+                env = fn(*args, **kwargs)
+            probe.activity("gym")
+            return monitor(env)
+
+        return make_vec
+
+
+@contextlib.contextmanager
+def _flag() -> Iterator[None]:
+    _inside_make_vec.active = True
+    try:
+        yield
+    finally:
+        _inside_make_vec.active = False

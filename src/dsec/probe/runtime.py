@@ -1,0 +1,176 @@
+"""The probe: one per process. Ties the reporter, the telemetry, the actuators and the instrumentation.
+
+Registration is triggered by training activity — ``init_process_group``, a DDP model, an optimizer, a
+gymnasium environment — or at once by ``dsec.attach()``. Launcher processes that only start others
+(torchrun's agent, the parent of ``mp.spawn``) do none of these and so never show up as workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+from dsec.probe import importhook
+from dsec.probe.actuators import Actuators
+from dsec.probe.config import ProbeConfig
+from dsec.probe.reporter import Reporter
+from dsec.probe.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+
+def _memory_metrics() -> dict[str, float]:
+    out: dict[str, float] = {}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            out[f"cuda{i}_allocated_gb"] = torch.cuda.memory_allocated(i) / 2**30
+            out[f"cuda{i}_reserved_gb"] = torch.cuda.memory_reserved(i) / 2**30
+        out["memory_used_gb"] = torch.cuda.memory_reserved() / 2**30
+        return out
+    try:
+        import psutil
+
+        out["memory_used_gb"] = psutil.Process().memory_info().rss / 2**30
+    except Exception:
+        pass
+    return out
+
+
+class Probe:
+    def __init__(self, config: ProbeConfig) -> None:
+        self.config = config
+        self.telemetry = Telemetry(on_anomaly=self._anomaly)
+        self._reporter: Reporter | None = None
+        self.actuators = Actuators(default_bits=config.default_compression_bits, ack=self._ack)
+        self._lock = threading.Lock()
+        self._rank: int | None = config.rank
+        self.torch: Any = None
+        self.gym: Any = None
+        self._last_anomaly: dict[str, float] = {}
+        self._pending_events: list[tuple[str, dict[str, Any]]] = []
+        self.activities: set[str] = set()
+
+    # -- instrumentation ------------------------------------------------------------------------------
+    def install(self) -> None:
+        if self.config.instrument_torch:
+            importhook.when_imported("torch", self._install_torch)
+        if self.config.instrument_gym:
+            importhook.when_imported("gymnasium", self._install_gym)
+
+    def _install_torch(self, module: Any) -> None:
+        from dsec.probe.torch_hooks import TorchInstrumentation
+
+        inst = TorchInstrumentation(self)
+        inst.install(module)
+        self.torch = inst
+
+    def _install_gym(self, module: Any) -> None:
+        from dsec.probe.gym_hooks import GymInstrumentation
+
+        inst = GymInstrumentation(self)
+        inst.install(module)
+        self.gym = inst
+
+    def uninstall(self) -> None:
+        for inst in (self.torch, self.gym):
+            if inst is not None:
+                inst.uninstall()
+
+    # -- registration -----------------------------------------------------------------------------------
+    @property
+    def reporter(self) -> Reporter | None:
+        return self._reporter
+
+    def activity(self, what: str) -> None:
+        """Training activity seen: register now (once)."""
+        self.activities.add(what)
+        if self._reporter is None:
+            self.start()
+
+    def on_distributed(self, rank: int, world_size: int) -> None:
+        self._rank = rank
+        self.activity("distributed")
+
+    def start(self) -> Reporter:
+        with self._lock:
+            if self._reporter is not None:
+                return self._reporter
+            rank = self._rank if self._rank is not None else _env_rank()
+            cfg = replace(self.config.reporter, rank=rank)
+            rep = Reporter(cfg, on_directive=self.actuators.handle)
+            rep.add_collector(self._collect)
+            for kind, data in self._pending_events:
+                rep.event(kind, **data)
+            self._pending_events.clear()
+            self._reporter = rep.start()
+            return rep
+
+    def _ack(self, version: int) -> None:
+        if self._reporter is not None:
+            self._reporter.ack(version)
+            self._reporter.beat_now()  # let the control plane know promptly
+
+    def _collect(self) -> dict[str, float]:
+        out = self.telemetry.collect()
+        out.update(self.actuators.state())
+        out.update(_memory_metrics())
+        return out
+
+    # -- events -------------------------------------------------------------------------------------------
+    def event(self, kind: str, /, urgent: bool = False, **data: Any) -> None:
+        rep = self._reporter
+        if rep is None:
+            self._pending_events.append((kind, data))
+        else:
+            rep.event(kind, urgent=urgent, **data)
+
+    def _anomaly(self, kind: str, data: dict[str, Any]) -> None:
+        # At most one immediate report per kind per heartbeat interval: a storm is one signal.
+        now = time.monotonic()
+        if now - self._last_anomaly.get(kind, -1e9) < self.config.reporter.heartbeat_interval_s:
+            return
+        self._last_anomaly[kind] = now
+        self.event("anomaly", urgent=True, kind=kind, **data)
+
+    def after_episode(self) -> None:
+        n = self.telemetry.consecutive_interrupted
+        if n and n % self.config.stuck_episode_threshold == 0:
+            self.event("alert", urgent=True, reason="consecutive_interrupted_episodes", count=n)
+
+    # -- actuator helpers for user code -------------------------------------------------------------------
+    def wait_for_sampling(self) -> None:
+        if self.config.reporter.role == "actor" and not self.actuators.sampling_allowed():
+            while not self.actuators.wait_for_sampling(timeout=1.0):
+                pass
+
+    def autocast(self, device_type: str = "cpu") -> AbstractContextManager[None]:
+        return self.actuators.autocast(device_type)
+
+    def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close()
+
+    # The reporter's metric API, for code that reports extra numbers through the probe.
+    def observe(self, name: str, value: float) -> None:
+        if self._reporter is not None:
+            self._reporter.observe(name, value)
+
+    def gauge(self, name: str, value: float) -> None:
+        if self._reporter is not None:
+            self._reporter.gauge(name, value)
+
+    def inc(self, name: str, n: float = 1.0) -> None:
+        if self._reporter is not None:
+            self._reporter.inc(name, n)
+
+
+def _env_rank() -> int:
+    raw = os.environ.get("RANK", "0")
+    return int(raw) if raw.isdigit() else 0

@@ -1,0 +1,299 @@
+"""Instrumentation of torch, installed right after ``import torch`` finishes (see importhook.py).
+
+- ``torch.distributed`` collectives (sync and async forms): bytes and latency to completion, errors.
+- ``DistributedDataParallel``: our comm hook (ddp.py) is registered before the first forward unless the
+  user registers one, in which case theirs is wrapped for measurement and keeps control.
+- Optimizers: step time and gradient norm through torch's global step hooks; while a gradient-
+  accumulation cycle is open, ``step``/``zero_grad``/``clip_grad_norm_`` are skipped so the
+  accumulated gradient is neither applied early, wiped, nor clipped piecewise.
+- Every patched function keeps its original as ``__wrapped__``; ``uninstall()`` restores them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from dsec.probe.ddp import SyncCoordinator, measured_hook
+
+if TYPE_CHECKING:
+    from dsec.probe.runtime import Probe
+
+log = logging.getLogger(__name__)
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+)
+
+
+def _nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of the tensors handed to a collective (input side; lists summed)."""
+    import torch
+
+    total = 0
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, (list, tuple)):
+            total += sum(t.numel() * t.element_size() for t in value if isinstance(t, torch.Tensor))
+    return total
+
+
+class _Originals:
+    """Unpatched torch.distributed collectives, for the comm hook's own traffic."""
+
+    def __init__(self, dist: ModuleType) -> None:
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(self, name, getattr(fn, "__wrapped__", fn))
+
+
+class TorchInstrumentation:
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.coordinators: list[SyncCoordinator] = []
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._hook_handles: list[Any] = []
+        self.originals: _Originals | None = None
+
+    # -- install / uninstall --------------------------------------------------------------------------
+    def install(self, torch: ModuleType) -> None:
+        import torch.distributed as dist
+
+        self.originals = _Originals(dist)
+        if dist.is_available():
+            for name in COLLECTIVES:
+                if hasattr(dist, name):
+                    self._patch(dist, name, self._wrap_collective(name, getattr(dist, name)))
+            self._patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self._patch_ddp(DDP)
+        import torch.optim.optimizer as optim_mod
+
+        self._patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init(torch.optim.Optimizer.__init__))
+        self._hook_handles.append(optim_mod.register_optimizer_step_pre_hook(self._pre_step))
+        self._hook_handles.append(optim_mod.register_optimizer_step_post_hook(self._post_step))
+        import torch.nn.utils as nn_utils
+
+        self._patch(nn_utils, "clip_grad_norm_", self._wrap_clip(nn_utils.clip_grad_norm_))
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+        self._restore.clear()
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+
+    def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
+        original = getattr(owner, name)
+        replacement.__wrapped__ = original  # type: ignore[attr-defined]
+        self._restore.append((owner, name, original))
+        setattr(owner, name, replacement)
+
+    # -- collectives ----------------------------------------------------------------------------------
+    def _wrap_collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        telemetry = self.probe.telemetry
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            nbytes = _nbytes(args, kwargs)
+            start = time.perf_counter()
+            try:
+                result = fn(*args, **kwargs)
+            except Exception:
+                telemetry.record_collective(name, nbytes, time.perf_counter() - start, False)
+                raise
+            if result is None or not kwargs.get("async_op", False):
+                telemetry.record_collective(name, nbytes, time.perf_counter() - start, True)
+                return result
+
+            def done(fut: Any) -> Any:
+                try:
+                    value = fut.value()
+                except Exception:
+                    telemetry.record_collective(name, nbytes, time.perf_counter() - start, False)
+                    raise
+                telemetry.record_collective(name, nbytes, time.perf_counter() - start, True)
+                return value
+
+            try:
+                result.get_future().then(done)
+            except Exception:  # a backend without futures: count at issue time
+                telemetry.record_collective(name, nbytes, time.perf_counter() - start, True)
+            return result
+
+        return wrapper
+
+    def _wrap_init(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        probe = self.probe
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            try:
+                import torch.distributed as dist
+
+                probe.on_distributed(dist.get_rank(), dist.get_world_size())
+            except Exception:
+                log.debug("dsec: could not read rank after init_process_group", exc_info=True)
+            return result
+
+        return wrapper
+
+    # -- DDP --------------------------------------------------------------------------------------------
+    def _patch_ddp(self, ddp_cls: type) -> None:
+        inst = self
+        original_register = ddp_cls.register_comm_hook  # type: ignore[attr-defined]
+        original_forward = ddp_cls.forward  # type: ignore[attr-defined]
+
+        def register_comm_hook(self: Any, state: Any, hook: Callable[..., Any]) -> Any:
+            if getattr(self, "_dsec_hooked", False):
+                raise RuntimeError("register_comm_hook must be called before the first forward under dsec")
+            self._dsec_hooked = True
+            inst.probe.actuators.collectives_locked = True
+            inst.probe.event(
+                "alert",
+                reason="user_comm_hook",
+                message="a user comm hook is registered: dsec measures it but cannot compress "
+                "or accumulate gradients for this model",
+            )
+            return original_register(self, state, unannotated(measured_hook(hook, inst.probe.telemetry)))
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_dsec_hooked", True):
+                inst._install_coordinator(self, original_register)
+            return original_forward(self, *args, **kwargs)
+
+        original_init = ddp_cls.__init__  # type: ignore[misc]
+
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            self._dsec_hooked = False
+            inst.probe.activity("ddp")
+
+        self._patch(ddp_cls, "__init__", init)
+        self._patch(ddp_cls, "register_comm_hook", register_comm_hook)
+        self._patch(ddp_cls, "forward", forward)
+        self._patch(ddp_cls, "zero_grad", self._gate(ddp_cls.zero_grad, "zero_grad"))  # type: ignore[attr-defined]
+
+    def _install_coordinator(self, ddp: Any, register: Callable[..., Any]) -> None:
+        ddp._dsec_hooked = True
+        try:
+            coord = SyncCoordinator(
+                self.probe.actuators,
+                self.probe.telemetry,
+                process_group=ddp.process_group,
+                collectives=self.originals,
+                block=self.probe.config.block_size,
+                error_feedback=self.probe.config.error_feedback,
+            )
+            register(ddp, None, unannotated(coord.hook))
+            self.coordinators.append(coord)
+        except Exception:
+            log.warning("dsec: could not install the DDP comm hook; gradient sync is not measured", exc_info=True)
+
+    # -- optimizer and accumulation gating --------------------------------------------------------------
+    def accumulating(self) -> bool:
+        """True while a gradient-accumulation cycle is open (the last backward did not synchronize)."""
+        return any(not c.last_backward_synced for c in self.coordinators)
+
+    def _gate(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+        inst = self
+
+        @functools.wraps(fn)
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if inst.accumulating():
+                if what == "step":
+                    inst.probe.telemetry.record_skipped_update()
+                return None
+            return fn(*args, **kwargs)
+
+        return gated
+
+    def _wrap_optimizer_init(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        inst = self
+
+        @functools.wraps(fn)
+        def init(opt: Any, *args: Any, **kwargs: Any) -> None:
+            fn(opt, *args, **kwargs)
+            # Instance attributes shadow the class's step/zero_grad: only while accumulating do they skip.
+            opt.step = inst._gate(opt.step, "step")
+            opt.zero_grad = inst._gate(opt.zero_grad, "zero_grad")
+            inst.probe.activity("optimizer")
+
+        return init
+
+    def _pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        opt._dsec_step_start = time.perf_counter()
+
+    def _post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        start = getattr(opt, "_dsec_step_start", None)
+        if start is None:
+            return
+        norm = None
+        synced = [c.grad_norm for c in self.coordinators if c.grad_norm is not None]
+        if synced:
+            # The comm hook already computed the synchronized gradient's norm: no extra pass.
+            norm = float(sum(n * n for n in synced) ** 0.5)
+        elif self._clip_norm is not None:
+            norm = self._clip_norm
+        else:
+            norm = _grad_norm(opt)
+        self._clip_norm = None
+        self.probe.telemetry.record_update(time.perf_counter() - start, norm)
+
+    _clip_norm: float | None = None
+
+    def _wrap_clip(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        inst = self
+
+        import torch
+
+        @functools.wraps(fn)
+        def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+            if inst.accumulating():
+                # Clipping a partial sum would distort the accumulated gradient: clip once, at the sync.
+                return torch.tensor(float("nan"))
+            total = fn(parameters, max_norm, *args, **kwargs)
+            inst._clip_norm = float(total) if isinstance(total, torch.Tensor) else None
+            return total
+
+        return clip
+
+
+def unannotated(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """DDP checks a comm hook's annotations against the real GradBucket/Future types; under
+    ``from __future__ import annotations`` ours are strings, so hand DDP a plain unannotated function."""
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        return fn(state, bucket)
+
+    return hook
+
+
+def _grad_norm(opt: Any) -> float | None:
+    import torch
+
+    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    norms = torch._foreach_norm(grads)
+    return float(torch.linalg.vector_norm(torch.stack(norms)).item())
