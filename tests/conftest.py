@@ -64,8 +64,9 @@ def _no_leaked_threads() -> Iterator[None]:
 
 
 # -- polling ------------------------------------------------------------------------------------------
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             what: str = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02, what: str = "condition"
+) -> Any:
     """Poll ``predicate`` until it returns a truthy value (returned) or fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -177,9 +178,11 @@ def start_harness(settings: Settings, port: int | None = None, pools: bool = Fal
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
     """``start(settings=None, port=None, pools=False) -> Harness``; every harness is closed at teardown."""
     started: list[Harness] = []
+    home = tmp_path / "home"
+    os.environ["DSEC_HOME"] = str(home)  # restored by _clean_environ
 
     def start(settings: Settings | None = None, port: int | None = None, pools: bool = False) -> Harness:
-        h = start_harness(settings or make_settings(tmp_path / "home"), port=port, pools=pools)
+        h = start_harness(settings or make_settings(home), port=port, pools=pools)
         started.append(h)
         return h
 

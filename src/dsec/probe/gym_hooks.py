@@ -96,7 +96,8 @@ class GymInstrumentation:
                 mode = getattr(env, "metadata", {}).get("autoreset_mode")
                 # NEXT_STEP (gymnasium's default): the step after an episode ends only resets that
                 # sub-environment (reward 0, action ignored): it is not a step of the next episode.
-                self._next_step = mode is None or getattr(mode, "value", str(mode)).lower() == "next_step"
+                name = str(getattr(mode, "value", mode)).lower().replace("_", "")
+                self._next_step = mode is None or name == "nextstep"
 
             def reset(self, **kwargs: Any) -> Any:
                 n = self.env.num_envs

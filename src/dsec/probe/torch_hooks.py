@@ -4,8 +4,9 @@
 - ``DistributedDataParallel``: our comm hook (ddp.py) is registered before the first forward unless the
   user registers one, in which case theirs is wrapped for measurement and keeps control.
 - Optimizers: step time and gradient norm through torch's global step hooks; while a gradient-
-  accumulation cycle is open, ``step``/``zero_grad``/``clip_grad_norm_`` are skipped so the
-  accumulated gradient is neither applied early, wiped, nor clipped piecewise.
+  accumulation cycle is open, ``step``/``zero_grad``/``clip_grad_norm_`` and LR-scheduler ``step``
+  are skipped so the accumulated gradient is neither applied early, wiped, nor clipped piecewise,
+  and learning-rate schedules advance once per optimizer update (not per micro-step).
 - Every patched function keeps its original as ``__wrapped__``; ``uninstall()`` restores them.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import types
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -90,6 +92,12 @@ class TorchInstrumentation:
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init(torch.optim.Optimizer.__init__))
         self._hook_handles.append(optim_mod.register_optimizer_step_pre_hook(self._pre_step))
         self._hook_handles.append(optim_mod.register_optimizer_step_post_hook(self._post_step))
+        import torch.optim.lr_scheduler as sched
+
+        # Learning-rate schedules advance per optimizer update, not per accumulated micro-step.
+        self._patch(sched.LRScheduler, "step", self._gate(sched.LRScheduler.step, "scheduler"))
+        if not issubclass(sched.ReduceLROnPlateau, sched.LRScheduler):
+            self._patch(sched.ReduceLROnPlateau, "step", self._gate(sched.ReduceLROnPlateau.step, "scheduler"))
         import torch.nn.utils as nn_utils
 
         self._patch(nn_utils, "clip_grad_norm_", self._wrap_clip(nn_utils.clip_grad_norm_))
@@ -234,12 +242,22 @@ class TorchInstrumentation:
         @functools.wraps(fn)
         def init(opt: Any, *args: Any, **kwargs: Any) -> None:
             fn(opt, *args, **kwargs)
-            # Instance attributes shadow the class's step/zero_grad: only while accumulating do they skip.
-            opt.step = inst._gate(opt.step, "step")
-            opt.zero_grad = inst._gate(opt.zero_grad, "zero_grad")
+            # Instance attributes shadow the class's step/zero_grad: only while accumulating do they
+            # skip. They stay bound methods because LR schedulers re-wrap ``opt.step.__func__``.
+            for name, what in (("step", "step"), ("zero_grad", "zero_grad")):
+                setattr(opt, name, types.MethodType(inst._gate_method(getattr(opt, name), what), opt))
             inst.probe.activity("optimizer")
 
         return init
+
+    def _gate_method(self, bound: Callable[..., Any], what: str) -> Callable[..., Any]:
+        gated = self._gate(bound, what)
+
+        @functools.wraps(bound)
+        def method(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            return gated(*args, **kwargs)
+
+        return method
 
     def _pre_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         opt._dsec_step_start = time.perf_counter()

@@ -1,0 +1,475 @@
+"""The store contract (dsec.control.store.api.Store), run against every backend.
+
+"sqlite" always runs (a file in tmp_path). "postgres" runs when a PostgreSQL server can be started
+here: a throwaway cluster is created with initdb (from /usr/lib/postgresql/*/bin) in a temporary
+directory owned by the ``postgres`` user, started on a free port, and removed at the end of the
+session. Without initdb that parameter is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec.control.server import free_port
+from dsec.control.store import (
+    EventQuery,
+    Store,
+    StoreConflict,
+    StoreError,
+    StoreUnavailable,
+    TokenRow,
+    WorkerRow,
+    WriteBatch,
+    open_store,
+)
+from dsec.model import (
+    Device,
+    DeviceHealth,
+    Directive,
+    DirectiveFields,
+    Event,
+    EventType,
+    Pool,
+    PoolThresholds,
+)
+
+# -- a throwaway PostgreSQL cluster -----------------------------------------------------------------
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+def _as_postgres(args: list[str]) -> list[str]:
+    """initdb and pg_ctl refuse to run as root: run them as the postgres user then."""
+    if os.geteuid() != 0:
+        return args
+    if shutil.which("runuser"):
+        return ["runuser", "-u", "postgres", "--", *args]
+    import shlex
+
+    return ["su", "postgres", "-s", "/bin/sh", "-c", shlex.join(args)]
+
+
+def _run(args: list[str], what: str) -> None:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {proc.stdout}\n{proc.stderr}")
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL not installed: no initdb under /usr/lib/postgresql/*/bin or on PATH")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg is not installed (pip install 'dsec[postgres]')")
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pg_user = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user to run initdb as")
+    root = Path(tempfile.mkdtemp(prefix="dsec-pg-"))
+    data, sock, log = root / "data", root / "sock", root / "postgres.log"
+    sock.mkdir()
+    if os.geteuid() == 0:
+        for p in (root, sock):
+            os.chown(p, pg_user.pw_uid, pg_user.pw_gid)
+    port = free_port()
+    pg_ctl = str(bindir / "pg_ctl")
+    try:
+        _run(
+            _as_postgres(
+                [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"]
+            ),
+            "initdb",
+        )
+        opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off"
+        _run(
+            _as_postgres([pg_ctl, "-D", str(data), "-o", opts, "-l", str(log), "-w", "-t", "60", "start"]),
+            "pg_ctl start",
+        )
+        _run([str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "dsec"], "createdb")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        _stop_postgres(pg_ctl, data, root)
+        log_tail = log.read_text()[-2000:] if log.exists() else ""
+        pytest.fail(f"could not start PostgreSQL: {exc}\n{log_tail}")
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/dsec"
+    finally:
+        _stop_postgres(pg_ctl, data, root)
+
+
+def _stop_postgres(pg_ctl: str, data: Path, root: Path) -> None:
+    if (data / "postmaster.pid").exists():
+        subprocess.run(
+            _as_postgres([pg_ctl, "-D", str(data), "stop", "-m", "immediate", "-w"]),
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _reset_postgres(url: str) -> None:
+    """An empty database for the next test: drop and recreate the public schema."""
+    import psycopg
+
+    dsn = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+T0 = 1_700_000_000.123456
+
+
+def worker_row(wid: str = "w-1", pool: str = "pool-a", **kw: Any) -> WorkerRow:
+    base: dict[str, Any] = {
+        "id": wid,
+        "pool": pool,
+        "info": {
+            "pool": pool,
+            "role": "actor",
+            "group": "g",
+            "rank": 3,
+            "host": "h",
+            "pid": 42,
+            "device": None,
+            "heartbeat_interval_s": 5.0,
+        },
+        "state": "active",
+        "token_hash": "a" * 64,
+        "registered_at": T0,
+        "last_beat_at": T0 + 1,
+        "last_seq": 0,
+        "acked_version": 0,
+        "beats": 0,
+        "metrics": {},
+    }
+    base.update(kw)
+    return WorkerRow(**base)
+
+
+def directive(wid: str = "w-1", version: int = 1, **fields: Any) -> Directive:
+    return Directive(worker_id=wid, version=version, fields=DirectiveFields(**fields), updated_at=T0 + version)
+
+
+def event(
+    etype: EventType = EventType.LOG, ts: float = T0, wid: str | None = "w-1", pool: str | None = "pool-a", **data: Any
+) -> Event:
+    return Event(ts=ts, type=etype, worker_id=wid, pool=pool, data=data)
+
+
+def all_events(store: Store, **kw: Any) -> list[Event]:
+    return store.query_events(EventQuery(limit=100_000, **kw))
+
+
+# -- the contract -------------------------------------------------------------------------------------
+class TestStoreContract:
+    @pytest.fixture(params=["sqlite", "postgres"])
+    def store_url(self, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+        if request.param == "sqlite":
+            return f"sqlite:///{tmp_path / 'store.db'}"
+        url: str = request.getfixturevalue("postgres_url")
+        _reset_postgres(url)
+        return url
+
+    @pytest.fixture
+    def store(self, store_url: str) -> Iterator[Store]:
+        s = open_store(store_url)
+        try:
+            yield s
+        finally:
+            s.close()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def test_a_new_store_is_empty(self, store: Store) -> None:
+        assert store.list_pools() == []
+        assert store.list_devices() == []
+        assert store.list_workers() == []
+        assert store.list_directives() == []
+        assert store.list_tokens() == []
+        assert all_events(store) == []
+        assert store.count_events() == 0
+
+    def test_migrate_is_idempotent(self, store: Store, store_url: str) -> None:
+        store.put_pool(Pool("pool-a"), T0)
+        ids = store.write(WriteBatch(events=[event()]))
+        store.migrate()
+        store.migrate()
+        reopened = open_store(store_url)  # open_store migrates again
+        try:
+            reopened.migrate()
+            assert [p.name for p in reopened.list_pools()] == ["pool-a"]
+            assert [e.id for e in all_events(reopened)] == ids
+        finally:
+            reopened.close()
+        assert [p.name for p in store.list_pools()] == ["pool-a"]
+
+    def test_close_is_safe_to_repeat(self, store_url: str) -> None:
+        s = open_store(store_url)
+        s.close()
+        s.close()
+
+    # -- pools ----------------------------------------------------------------------------------------
+    def test_pools_put_list_replace_delete(self, store: Store) -> None:
+        b = Pool(
+            "pool-b",
+            devices=("gpu1", "gpu0"),
+            thresholds=PoolThresholds(64.0, 40.5),
+            memory_base_gb=2.5,
+            memory_ceiling_gb=4096.0,
+            snapshot_interval_s=30.0,
+        )
+        a = Pool("pool-a")
+        store.put_pool(b, T0)
+        store.put_pool(a, T0)
+        assert store.list_pools() == [a, b]  # by name, round-tripped exactly
+        b2 = replace(b, devices=(), memory_base_gb=3.0)
+        store.put_pool(b2, T0 + 1)
+        assert store.list_pools() == [a, b2]
+        assert store.delete_pool("pool-b") is True
+        assert store.delete_pool("pool-b") is False
+        assert store.delete_pool("never-existed") is False
+        assert store.list_pools() == [a]
+
+    # -- devices --------------------------------------------------------------------------------------
+    def test_devices_put_list_upsert(self, store: Store) -> None:
+        d1 = Device(
+            "gpu1",
+            "node-1",
+            model="H100",
+            memory_gb=80.0,
+            numa_node=1,
+            nvlink_peers=("gpu0", "gpu2"),
+            health=DeviceHealth.DEGRADED,
+            pool="pool-a",
+        )
+        d0 = Device("gpu0", "node-1")
+        store.put_devices([d1, d0], T0)
+        assert store.list_devices() == [d0, d1]
+        d0b = replace(d0, health=DeviceHealth.DRAINED, pool="pool-b")
+        store.put_devices([d0b], T0 + 1)
+        assert store.list_devices() == [d0b, d1]
+        store.put_devices([], T0 + 2)
+        assert store.list_devices() == [d0b, d1]
+
+    # -- the batched write path -----------------------------------------------------------------------
+    def test_empty_batch_writes_nothing(self, store: Store) -> None:
+        assert store.write(WriteBatch()) == []
+        assert store.list_workers() == [] and store.count_events() == 0
+
+    def test_workers_are_upserted(self, store: Store) -> None:
+        w = worker_row(metrics={"loss": 0.5, "memory_used_gb": 3.25})
+        store.write(WriteBatch(workers=[w, worker_row("w-0", pool="pool-b")]))
+        assert [r.id for r in store.list_workers()] == ["w-0", "w-1"]
+        assert store.list_workers()[1] == w
+        w2 = replace(
+            w,
+            state="lost",
+            last_seq=2**62,
+            beats=2**40,
+            acked_version=7,
+            last_beat_at=T0 + 99.5,
+            metrics={"loss": 0.25},
+        )
+        store.write(WriteBatch(workers=[w2]))
+        rows = {r.id: r for r in store.list_workers()}
+        assert len(rows) == 2
+        assert rows["w-1"] == w2
+        assert dict(rows["w-1"].info) == dict(w.info)
+
+    def test_directives_are_upserted(self, store: Store) -> None:
+        store.write(WriteBatch(directives=[directive("w-1", 1), directive("w-2", 1, precision="bf16")]))
+        store.write(
+            WriteBatch(
+                directives=[
+                    directive(
+                        "w-1", 2, compression_bits=8, memory_quota_gb=7.0, memory_ceiling_gb=12.0, snapshot_now="req-1"
+                    )
+                ]
+            )
+        )
+        got = {d.worker_id: d for d in store.list_directives()}
+        assert got == {
+            "w-1": directive(
+                "w-1", 2, compression_bits=8, memory_quota_gb=7.0, memory_ceiling_gb=12.0, snapshot_now="req-1"
+            ),
+            "w-2": directive("w-2", 1, precision="bf16"),
+        }
+
+    def test_last_directive_for_a_worker_in_one_batch_wins(self, store: Store) -> None:
+        # The group-commit writer concatenates requests' directives; the newest is the last.
+        store.write(
+            WriteBatch(directives=[directive("w-1", 2, compression_bits=16), directive("w-1", 3, compression_bits=8)])
+        )
+        assert store.list_directives() == [directive("w-1", 3, compression_bits=8)]
+
+    def test_event_ids_increase_and_are_returned_in_order(self, store: Store) -> None:
+        first = store.write(WriteBatch(events=[event(msg=str(i)) for i in range(5)]))
+        assert len(first) == 5 and first == sorted(first) and len(set(first)) == 5
+        second = store.write(
+            WriteBatch(
+                workers=[worker_row()],
+                directives=[directive()],
+                events=[event(EventType.SNAPSHOT, step=1), event(EventType.ALERT)],
+            )
+        )
+        assert len(second) == 2 and second[0] < second[1] and min(second) > max(first)
+        stored = all_events(store)
+        assert [e.id for e in stored] == first + second
+        assert [e.data.get("msg") for e in stored[:5]] == ["0", "1", "2", "3", "4"]
+        assert store.count_events() == 7
+
+    def test_events_round_trip(self, store: Store) -> None:
+        data = {
+            "s": "ünïcødé ✓",
+            "i": 2**53,
+            "f": 0.1,
+            "neg": -1.5,
+            "b": True,
+            "n": None,
+            "list": [1, "two", [3.0]],
+            "nested": {"a": {"b": {"c": []}}},
+        }
+        ev = Event(ts=T0, type=EventType.ANOMALY, worker_id="w-1", pool="pool-a", data=data)
+        (eid,) = store.write(WriteBatch(events=[ev]))
+        (ctl,) = store.write(WriteBatch(events=[Event(ts=T0 + 1, type=EventType.POOL_CHANGED, pool="pool-a")]))
+        got = all_events(store)
+        assert got[0] == replace(ev, id=eid)
+        assert got[1] == Event(ts=T0 + 1, type=EventType.POOL_CHANGED, worker_id=None, pool="pool-a", data={}, id=ctl)
+
+    def test_a_failed_batch_writes_nothing(self, store: Store) -> None:
+        store.write(WriteBatch(workers=[worker_row("w-1")], events=[event()]))
+        bad = replace(worker_row("w-2"), state=None)  # type: ignore[arg-type]  # NOT NULL column
+        with pytest.raises(StoreError):
+            store.write(
+                WriteBatch(workers=[worker_row("w-3"), bad], directives=[directive("w-3")], events=[event(msg="lost")])
+            )
+        assert [w.id for w in store.list_workers()] == ["w-1"]
+        assert store.list_directives() == []
+        assert store.count_events() == 1
+        # ... and the store keeps working afterwards.
+        assert len(store.write(WriteBatch(events=[event(msg="after")]))) == 1
+
+    # -- querying events ------------------------------------------------------------------------------
+    @pytest.fixture
+    def history(self, store: Store) -> list[Event]:
+        """12 events over 3 workers, 2 pools and 3 types; ts deliberately not in id order at the end."""
+        evs = []
+        for i in range(10):
+            evs.append(
+                event(
+                    [EventType.LOG, EventType.ALERT, EventType.SNAPSHOT][i % 3],
+                    ts=T0 + i,
+                    wid=f"w-{i % 3}",
+                    pool="pool-a" if i % 2 == 0 else "pool-b",
+                    i=i,
+                )
+            )
+        evs.append(event(EventType.POOL_CHANGED, ts=T0 + 100, wid=None, pool="pool-b", i=10))
+        evs.append(event(EventType.LOG, ts=T0 - 100, wid="w-0", pool="pool-a", i=11))
+        ids = store.write(WriteBatch(events=evs))
+        return [replace(e, id=i) for e, i in zip(evs, ids, strict=True)]
+
+    def _q(self, store: Store, **kw: Any) -> list[int]:
+        return [e.data["i"] for e in all_events(store, **kw)]
+
+    def test_query_everything_in_id_order(self, store: Store, history: list[Event]) -> None:
+        assert all_events(store) == history
+
+    def test_query_by_worker(self, store: Store, history: list[Event]) -> None:
+        assert self._q(store, worker_id="w-0") == [0, 3, 6, 9, 11]
+        assert self._q(store, worker_id="w-nope") == []
+
+    def test_query_by_pool(self, store: Store, history: list[Event]) -> None:
+        assert self._q(store, pool="pool-b") == [1, 3, 5, 7, 9, 10]
+        assert self._q(store, pool="pool-a", worker_id="w-0") == [0, 6, 11]
+
+    def test_query_by_types(self, store: Store, history: list[Event]) -> None:
+        assert self._q(store, types=(EventType.ALERT,)) == [1, 4, 7]
+        assert self._q(store, types=(EventType.LOG, EventType.POOL_CHANGED)) == [0, 3, 6, 9, 10, 11]
+        assert self._q(store, types=(EventType.MELTDOWN,)) == []
+        assert self._q(store, types=()) == list(range(12))
+
+    def test_query_by_time_range(self, store: Store, history: list[Event]) -> None:
+        # since is inclusive, until exclusive; results stay in id order, not ts order.
+        assert self._q(store, since=T0 + 3) == [3, 4, 5, 6, 7, 8, 9, 10]
+        assert self._q(store, until=T0 + 3) == [0, 1, 2, 11]
+        assert self._q(store, since=T0 + 3, until=T0 + 5) == [3, 4]
+        assert self._q(store, since=T0 + 5, until=T0 + 5) == []
+        assert self._q(store, since=T0 + 2, until=T0 + 8, pool="pool-a", types=(EventType.SNAPSHOT,)) == [2]
+
+    def test_query_pagination_with_after_id(self, store: Store, history: list[Event]) -> None:
+        seen: list[Event] = []
+        after = 0
+        pages = 0
+        while True:
+            page = store.query_events(EventQuery(after_id=after, limit=5))
+            pages += 1
+            assert len(page) <= 5
+            seen.extend(page)
+            if len(page) < 5:
+                break
+            after = page[-1].id or 0
+        assert seen == history and pages == 3
+        assert [e.data["i"] for e in store.query_events(EventQuery(after_id=history[3].id or 0, limit=2))] == [4, 5]
+        assert store.query_events(EventQuery(after_id=history[-1].id or 0)) == []
+        filtered = store.query_events(EventQuery(worker_id="w-1", after_id=history[4].id or 0, limit=1))
+        assert [e.data["i"] for e in filtered] == [7]
+
+    def test_query_limit(self, store: Store, history: list[Event]) -> None:
+        assert [e.data["i"] for e in store.query_events(EventQuery(limit=1))] == [0]
+        assert len(store.query_events(EventQuery(limit=3))) == 3
+        assert len(store.query_events(EventQuery())) == 12  # default limit 100
+
+    # -- tokens ---------------------------------------------------------------------------------------
+    def test_tokens_put_list_and_conflict(self, store: Store) -> None:
+        pool_tok = TokenRow("b" * 64, "pool-a", "pool", "ci runners", T0)
+        admin_tok = TokenRow("c" * 64, None, "admin", "", T0 + 1)
+        store.put_token(pool_tok)
+        store.put_token(admin_tok)
+        assert sorted(store.list_tokens(), key=lambda t: t.token_hash) == [pool_tok, admin_tok]
+        with pytest.raises(StoreConflict):
+            store.put_token(TokenRow("b" * 64, "pool-b", "pool", "dup", T0 + 2))
+        assert len(store.list_tokens()) == 2
+        assert {t.token_hash: t for t in store.list_tokens()}["b" * 64] == pool_tok
+
+
+def test_unopenable_sqlite_path_is_store_unavailable(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreUnavailable) as err:
+        open_store(f"sqlite:///{blocker / 'sub' / 'dsec.db'}")
+    assert "a-file" in str(err.value)
+
+
+def test_unreachable_postgres_is_store_unavailable_and_hides_the_password() -> None:
+    pytest.importorskip("psycopg")
+    url = f"postgresql+psycopg://dsec:s3cret-pw@127.0.0.1:{free_port()}/dsec?connect_timeout=2"
+    with pytest.raises(StoreUnavailable) as err:
+        open_store(url)
+    assert "s3cret-pw" not in str(err.value)
