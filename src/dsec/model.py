@@ -213,6 +213,17 @@ class DirectiveFields:
     target_device: str | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (
+            ("grad_accum_steps", int),
+            ("sync_priority", int),
+            ("async_sampling", bool),
+            ("compression_bits", int),
+            ("precision", str),
+        ):
+            value = getattr(self, name)
+            # bool is an int subclass: True is not a valid step count, nor 1 a valid switch.
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            _check(ok, name, value, f"a {kind.__name__}")
         _check(
             self.compression_bits in COMPRESSION_BITS,
             "compression_bits",

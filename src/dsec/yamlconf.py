@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 Loc = tuple[str | int, ...]
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class ConfigError(ValueError):
@@ -38,15 +39,32 @@ def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]], at: yaml
     marks[loc] = (mark.line + 1, mark.column + 1)
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
+        # Merge keys (``<<: *base``) first, earlier sources winning, then explicit keys over them.
         for key_node, value_node in node.value:
+            if key_node.tag != MERGE_TAG:
+                continue
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for src in sources:
+                if not isinstance(src, yaml.MappingNode):
+                    line, col = src.start_mark.line + 1, src.start_mark.column + 1
+                    raise ConfigError([f"<>:{line}:{col}: a merge key (<<) needs a mapping or a list of mappings"])
+                own = marks[loc]
+                for k, v in _walk(src, loc, marks).items():
+                    out.setdefault(k, v)
+                marks[loc] = own
+        explicit: set[Any] = set()
+        for key_node, value_node in node.value:
+            if key_node.tag == MERGE_TAG:
+                continue
             key = (
                 yaml.safe_load(yaml.serialize(key_node))
                 if not isinstance(key_node, yaml.ScalarNode)
                 else key_node.value
             )
-            if key in out:
+            if key in explicit:
                 line = key_node.start_mark.line + 1
                 raise ConfigError([f"<>:{line}:{key_node.start_mark.column + 1}: duplicate key {key!r}"])
+            explicit.add(key)
             out[key] = _walk(value_node, (*loc, key), marks, key_node.start_mark)
         return out
     if isinstance(node, yaml.SequenceNode):

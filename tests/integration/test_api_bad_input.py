@@ -3,7 +3,8 @@ some of it): every rejection is a 4xx, never a 500, and its JSON body names the 
 
 One server serves the whole module (``api``); a baseline worker with events is registered first, and
 the last test checks that, after everything above, the server still serves and that data is intact.
-Tests that make the server answer 500 (known bugs, marked xfail) use their own server instead.
+Tests of bugs that once made the server answer 500 use their own server, so a regression cannot take
+the shared one down.
 """
 
 from __future__ import annotations
@@ -501,15 +502,6 @@ def test_exact_retry_of_last_seq_is_a_duplicate_and_not_applied_twice(api: Api, 
     rejected(api.beat(worker, beat), 409, "seq")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: ControlPlane.heartbeat checks `req.seq == w.last_seq` before awaiting the commit of the "
-        "beat's events, so a retry that arrives while the original is being committed passes the check "
-        "too and commits the same events a second time (it is then answered duplicate=true, but its events "
-        "are already stored)"
-    ),
-)
 async def test_concurrent_retry_of_a_beat_with_events_is_not_double_applied(tmp_path: Any) -> None:
     # Driven through ControlPlane (the service behind the route) on a real SQLite store, so that the
     # interleaving is deterministic: gather() runs the retry while the original awaits its commit.
@@ -530,15 +522,6 @@ async def test_concurrent_retry_of_a_beat_with_events_is_not_double_applied(tmp_
         store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: ControlPlane.set_directive derives the new version and fields from w.directive before "
-        "awaiting the commit and assigns w.directive only after it, so two concurrent PATCHes of one worker "
-        "both become version N+1 and the second overwrites the first: one change is lost although both "
-        "were answered 200"
-    ),
-)
 async def test_concurrent_directive_patches_are_not_lost(tmp_path: Any) -> None:
     settings = make_settings(tmp_path)
     store = open_store(settings.database_url)
@@ -708,14 +691,6 @@ def test_directive_patch_for_a_deregistered_worker_is_409(api: Api, worker: Work
     rejected(api.patch(worker, {"precision": "bf16"}), 409, "worker_id")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug (contract: WorkerState.DEREGISTERED is 'terminal', and PATCH .../directive already answers "
-        "409 for it): ControlPlane.heartbeat never checks the state, so a deregistered worker's beats are "
-        "answered 200 and applied (beats, metrics, last_seq, and its events are recorded)"
-    ),
-)
 def test_heartbeat_from_a_deregistered_worker_is_rejected(api: Api, worker: Worker) -> None:
     assert api.call("POST", f"/v1/workers/{worker.id}/deregister", worker.token).status_code == 200
     resp = api.beat(worker, {"seq": 1, "events": [{"type": "log"}]})
@@ -749,13 +724,6 @@ def stop_before_asserting(server: Harness) -> None:
     server.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: PUT /v1/pools/{name} validates PoolUpdate, which lacks PoolSpec's ceiling >= base check; "
-        "Pool() then raises ModelError inside the route, which no handler maps, so the answer is 500"
-    ),
-)
 @pytest.mark.parametrize("body", [{"memory_base_gb": 10, "memory_ceiling_gb": 5}, {"memory_base_gb": 20}])
 def test_pool_ceiling_below_base_is_422(server: Harness, body: dict[str, Any]) -> None:
     with server.http() as c:
@@ -764,14 +732,6 @@ def test_pool_ceiling_below_base_is_422(server: Harness, body: dict[str, Any]) -
     rejected(resp, 422, "memory_ceiling_gb")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: DirectivePatch allows null for every field ('null clears an optional field'), but "
-        "grad_accum_steps, sync_priority and async_sampling are not optional in DirectiveFields: null makes "
-        "__post_init__ compare None with ints (TypeError -> 500) or, for async_sampling, is stored as null"
-    ),
-)
 @pytest.mark.parametrize("field", ["grad_accum_steps", "sync_priority", "async_sampling"])
 def test_directive_patch_null_for_a_required_field_is_422(server: Harness, field: str) -> None:
     w = server.register("pool-a")
@@ -783,14 +743,6 @@ def test_directive_patch_null_for_a_required_field_is_422(server: Harness, field
     rejected(resp, 422, field)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: dsec.control.http._loc_to_field drops every location part equal to 'body', 'query', "
-        "'path' or 'header' anywhere in the loc, not only the leading source marker, so a metric named "
-        "'path' is reported as field 'metrics' instead of 'metrics.path'"
-    ),
-)
 @pytest.mark.parametrize("name", ["path", "body", "query", "header"])
 def test_metric_named_like_a_location_keyword_is_named(server: Harness, name: str) -> None:
     w = server.register("pool-a")
@@ -803,14 +755,6 @@ def test_metric_named_like_a_location_keyword_is_named(server: Harness, name: st
     rejected(resp, 422, f"metrics.{name}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: a JSON body that is not valid UTF-8 makes FastAPI raise HTTPException(400), for which the "
-        "app registers no handler, so the answer is {'detail': ...} without the documented error/message/"
-        "field shape"
-    ),
-)
 def test_body_that_is_not_utf8_is_rejected_with_the_error_shape(server: Harness) -> None:
     w = server.register("pool-a")
     with server.http() as c:

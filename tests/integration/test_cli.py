@@ -68,7 +68,7 @@ def test_serve_rejects_bad_cluster_file_with_position(tmp_path: Path) -> None:
     bad.write_text("pools:\n  - name: a\n    memory_base_gb: 9\n    memory_ceiling_gb: 4\n  - name: b\n    bogus: 1\n")
     result = CliRunner().invoke(app, ["serve", "--cluster", str(bad), "--home", str(tmp_path / "h")])
     assert result.exit_code == 2
-    assert f"{bad}:2:5: pools[0]" in result.output and "memory_ceiling_gb" in result.output
+    assert f"{bad}:4:5: pools[0].memory_ceiling_gb" in result.output
     assert f"{bad}:6:5: pools[1].bogus" in result.output
 
 

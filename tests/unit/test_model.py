@@ -222,14 +222,6 @@ def test_directive_merged_validates_the_whole() -> None:
     assert base.merged({"memory_quota_gb": None}).memory_quota_gb is None  # optional: None clears it
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "src bug: DirectiveFields.__post_init__ compares grad_accum_steps and sync_priority with ints without "
-        "a type check, so None raises TypeError instead of ModelError (reachable: PATCH .../directive with "
-        "{'grad_accum_steps': null} answers 500); async_sampling is not validated at all (None is accepted)"
-    ),
-)
 @pytest.mark.parametrize("field", ["grad_accum_steps", "sync_priority", "async_sampling"])
 def test_directive_none_for_a_required_field_is_a_model_error(field: str) -> None:
     with pytest.raises(ModelError) as exc:

@@ -13,13 +13,21 @@ from typing import Annotated, Any
 from fastapi import APIRouter, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from dsec import __version__
 from dsec.control import errors
 from dsec.control.auth import bearer
 from dsec.control.errors import ApiError
-from dsec.control.http import JSON, BodyLimitAndMetrics, api_error_handler, request_validation_handler
+from dsec.control.http import (
+    JSON,
+    BodyLimitAndMetrics,
+    api_error_handler,
+    http_exception_handler,
+    model_error_handler,
+    request_validation_handler,
+)
 from dsec.control.metrics import ControlPlaneMetrics
 from dsec.control.schemas import (
     NAME_PATTERN,
@@ -34,7 +42,7 @@ from dsec.control.schemas import (
 from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import EventQuery, Store, open_store
-from dsec.model import Device, DeviceHealth, EventType, Pool, PoolThresholds, WorkerState
+from dsec.model import Device, DeviceHealth, EventType, ModelError, Pool, PoolThresholds, WorkerState
 from dsec.yamlconf import load_file
 
 log = logging.getLogger(__name__)
@@ -309,6 +317,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.state.metrics = ControlPlaneMetrics(cp)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
+    app.add_exception_handler(ModelError, model_error_handler)
     app.include_router(ops_routes())
     app.include_router(worker_routes())
     app.include_router(admin_routes())

@@ -12,6 +12,7 @@ from typing import Any, cast
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,7 +28,10 @@ class JSON(Response):
 
 
 def _loc_to_field(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    # FastAPI prefixes a location with its source; only that first part is not a field name.
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -52,6 +56,30 @@ def validation_error_response(exc: RequestValidationError) -> JSON:
 async def api_error_handler(_request: Request, exc: Exception) -> Response:
     err = cast(ApiError, exc)  # registered for ApiError only
     return JSON(err.body(), status_code=err.status)
+
+
+async def http_exception_handler(_request: Request, exc: Exception) -> Response:
+    """Starlette/FastAPI's own HTTP errors (unknown route, wrong method, unparsable body) in our shape."""
+    err = cast(StarletteHTTPException, exc)
+    codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
+    field = "body" if err.status_code == 400 else None
+    detail = str(err.detail)
+    if err.status_code == 400 and "parsing the body" in detail:
+        detail = "request body could not be parsed (it must be UTF-8 JSON)"
+    body: dict[str, Any] = {
+        "error": codes.get(err.status_code, "http_error"),
+        "message": detail,
+        "field": field,
+        "details": [],
+    }
+    return JSON(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+
+
+async def model_error_handler(_request: Request, exc: Exception) -> Response:
+    """A domain value rejected by ``dsec.model`` (its message starts with ``field=value``)."""
+    message = str(exc)
+    field = message.split("=", 1)[0].split(" ", 1)[0] if "=" in message else None
+    return JSON({"error": "invalid", "message": message, "field": field, "details": []}, status_code=422)
 
 
 async def request_validation_handler(_request: Request, exc: Exception) -> Response:

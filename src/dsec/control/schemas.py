@@ -4,9 +4,9 @@ frozen dataclasses from ``dsec.model``. Every model forbids unknown fields and n
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from dsec.model import (
     MAX_MEMORY_GB,
@@ -34,31 +34,28 @@ class Thresholds(Strict):
     latency_cap_ms: float = Field(85.0, gt=0, le=1e6)
 
 
-class PoolSpec(Strict):
-    name: Name
-    devices: list[Name] = Field(default_factory=list, max_length=4096)
-    thresholds: Thresholds = Field(default_factory=Thresholds)
-    memory_base_gb: MemoryGB = 7.0
-    memory_ceiling_gb: MemoryGB = 12.0
-    snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
-
-    @model_validator(mode="after")
-    def _ceiling_above_base(self) -> PoolSpec:
-        if self.memory_ceiling_gb < self.memory_base_gb:
-            raise ValueError(
-                f"memory_ceiling_gb ({self.memory_ceiling_gb:g}) must be >= memory_base_gb ({self.memory_base_gb:g})"
-            )
-        return self
-
-
 class PoolUpdate(Strict):
-    """Body of PUT /v1/pools/{name}: a PoolSpec whose name comes from the path."""
+    """Body of PUT /v1/pools/{name}: a pool whose name comes from the path."""
 
     devices: list[Name] = Field(default_factory=list, max_length=4096)
     thresholds: Thresholds = Field(default_factory=Thresholds)
     memory_base_gb: MemoryGB = 7.0
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
+
+    @field_validator("memory_ceiling_gb")
+    @classmethod
+    def _ceiling_above_base(cls, ceiling: float, info: ValidationInfo) -> float:
+        base = info.data.get("memory_base_gb")  # validated first (declared first)
+        if base is not None and ceiling < base:
+            raise ValueError(f"memory_ceiling_gb ({ceiling:g}) must be >= memory_base_gb ({base:g})")
+        return ceiling
+
+
+class PoolSpec(PoolUpdate):
+    """A pool in the cluster file: the same fields plus its name."""
+
+    name: Name
 
 
 class DeviceSpec(Strict):
@@ -143,7 +140,16 @@ class HeartbeatRequest(Strict):
 
 
 class DirectivePatch(Strict):
-    """Fields to change; omitted fields keep their value. Null clears an optional field."""
+    """Fields to change; omitted fields keep their value. Null clears an optional field (memory quota and
+    ceiling, snapshot interval and request, target device); the others cannot be null."""
+
+    NOT_NULL: ClassVar[tuple[str, ...]] = (
+        "compression_bits",
+        "grad_accum_steps",
+        "async_sampling",
+        "precision",
+        "sync_priority",
+    )
 
     compression_bits: Literal[32, 16, 8, 4] | None = None
     grad_accum_steps: int | None = Field(None, ge=1, le=1024)
@@ -155,6 +161,13 @@ class DirectivePatch(Strict):
     snapshot_now: str | None = Field(None, max_length=128)
     sync_priority: int | None = Field(None, ge=-10, le=10)
     target_device: Name | None = None
+
+    @field_validator(*NOT_NULL, mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise ValueError("cannot be null (omit the field to keep its value)")
+        return value
 
 
 class TokenCreate(Strict):

@@ -209,7 +209,15 @@ class ControlPlane:
         }
 
     async def heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]:
+        # One beat of a worker at a time: a retry arriving while the original is still being committed
+        # must see the original's outcome, not race it (the lock is uncontended in normal operation).
+        async with w.lock:
+            return await self._heartbeat(w, req)
+
+    async def _heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]:
         now = self.clock()
+        if w.state is WorkerState.DEREGISTERED:
+            raise errors.conflict(f"worker_id {w.id!r} has deregistered; register again to report", "worker_id")
         if req.seq == w.last_seq:
             # A retry of the beat we already applied (its answer was lost): apply nothing twice.
             self.duplicates += 1
@@ -269,8 +277,6 @@ class ControlPlane:
                 }
             )
             await self._commit(WriteBatch(workers=[row], events=events))
-            if req.seq <= w.last_seq:  # a concurrent retry of the same beat won the race
-                return self._beat_answer(w, req, now, duplicate=True)
             self._observe_events(events)
         w.last_seq = req.seq
         w.last_beat_at = now
@@ -294,6 +300,10 @@ class ControlPlane:
         }
 
     async def deregister(self, w: LiveWorker, reason: str) -> dict[str, Any]:
+        async with w.lock:
+            return await self._deregister(w, reason)
+
+    async def _deregister(self, w: LiveWorker, reason: str) -> dict[str, Any]:
         if w.state is WorkerState.DEREGISTERED:
             return w.to_api()
         now = self.clock()
@@ -305,6 +315,11 @@ class ControlPlane:
         return w.to_api()
 
     async def set_directive(self, w: LiveWorker, patch: Mapping[str, Any], actor: str) -> Directive:
+        # Serialised per worker: two concurrent patches must yield two versions, not one lost update.
+        async with w.lock:
+            return await self._set_directive(w, patch, actor)
+
+    async def _set_directive(self, w: LiveWorker, patch: Mapping[str, Any], actor: str) -> Directive:
         if w.state is WorkerState.DEREGISTERED:
             raise errors.conflict(f"worker_id {w.id!r} has deregistered; directives no longer apply", "worker_id")
         try:

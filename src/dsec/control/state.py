@@ -10,6 +10,7 @@ writer thread only calls ``take_dirty`` / ``mark_dirty`` which swap a set under 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class LiveWorker:
     beats: int
     metrics: dict[str, float]
     directive: Directive
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     @property
     def pool(self) -> str:
