@@ -21,6 +21,9 @@ def attach(**overrides: Any) -> Probe | None:
     rank, heartbeat_interval_s, device, compression_bits."""
     probe = bootstrap.bootstrap(**overrides)
     if probe is not None:
+        # Already started by `dsec run`'s sitecustomize: the code's own settings still apply, as long
+        # as the worker has not registered yet.
+        probe.reconfigure(**overrides)
         probe.start()
     return probe
 

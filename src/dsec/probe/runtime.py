@@ -98,6 +98,22 @@ class Probe:
         self._rank = rank
         self.activity("distributed")
 
+    _REPORTER_FIELDS = ("role", "group", "heartbeat_interval_s", "device", "token")
+
+    def reconfigure(self, **overrides: Any) -> None:
+        """Apply ``attach()`` keyword settings before registration; afterwards they are ignored (logged)."""
+        changes = {k: v for k, v in overrides.items() if k in self._REPORTER_FIELDS and v is not None}
+        rank = overrides.get("rank")
+        if not changes and rank is None:
+            return
+        with self._lock:
+            if self._reporter is not None:
+                log.info("dsec: already registered; attach() settings %s ignored", sorted(changes))
+                return
+            if rank is not None:
+                self._rank = int(rank)
+            self.config = replace(self.config, reporter=replace(self.config.reporter, **changes))
+
     def start(self) -> Reporter:
         with self._lock:
             if self._reporter is not None:
