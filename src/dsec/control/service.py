@@ -393,17 +393,6 @@ class ControlPlane:
             self.state.pool_token_hashes[row.token_hash] = str(pool)
         return token
 
-    def create_token_sync(self, kind: str, pool: str | None, label: str) -> str:
-        """For embedded use (demo, tests) before the server starts serving."""
-        token = auth.new_token(auth.ADMIN_PREFIX if kind == "admin" else auth.POOL_PREFIX)
-        row = TokenRow(auth.hash_token(token), pool, kind, label, self.clock())
-        self.store.put_token(row)
-        if kind == "admin":
-            self.state.admin_token_hashes.add(row.token_hash)
-        else:
-            self.state.pool_token_hashes[row.token_hash] = str(pool)
-        return token
-
     # -- reconcile -----------------------------------------------------------------------------
     async def reconcile(self) -> list[str]:
         """One pass of the control loop: mark overdue workers lost (durably, with an event)."""
