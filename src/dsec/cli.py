@@ -25,7 +25,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(directive_app, name="directive")
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 220)
 err = Console(stderr=True)
 
 Endpoint = Annotated[str, typer.Option(envvar="DSEC_ENDPOINT", help="Control-plane URL.")]
@@ -293,8 +293,8 @@ def run(
 
 @app.command()
 def demo(
-    workers_n: Annotated[int, typer.Option("--workers", min=2, max=8, help="Training processes.")] = 3,
-    duration: Annotated[float, typer.Option(min=5, max=600, help="Seconds of training to show.")] = 25.0,
+    workers_n: Annotated[int, typer.Option("--workers", min=2, max=8, help="DDP learner ranks (PPO).")] = 2,
+    duration: Annotated[float, typer.Option(min=5, max=600, help="Longest PPO training time, seconds.")] = 75.0,
     keep: Annotated[bool, typer.Option(help="Keep the temporary DSEC_HOME.")] = False,
 ) -> None:
     """Run an embedded control plane and real training processes, show them live, print a summary."""

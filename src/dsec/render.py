@@ -12,11 +12,14 @@ _STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
 
 # Metrics shown in the status table when a worker reports them (first found wins per column).
 _METRIC_COLUMNS = (
-    ("step ms", ("step_ms_mean", "step_time_ms_mean")),
-    ("sync ms", ("sync_ms_mean", "sync_latency_ms_mean")),
-    ("loss", ("loss_mean", "loss")),
+    ("updates", ("updates_total",)),
+    ("step ms", ("step_ms_mean",)),
+    ("sync p99 ms", ("sync_latency_ms_p99",)),
+    ("bytes/sync", ("bytes_per_sync",)),
+    ("grad norm", ("grad_norm",)),
+    ("env steps/s", ("env_steps_per_s",)),
     ("return", ("episode_return_mean",)),
-    ("steps", ("steps_total",)),
+    ("mem GB", ("memory_used_gb",)),
 )
 
 

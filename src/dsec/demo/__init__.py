@@ -10,6 +10,8 @@ worked); later capabilities add scenes instead of rewriting the demo.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,7 +32,7 @@ from rich.table import Table
 
 from dsec.client import Client
 from dsec.control.app import create_app
-from dsec.control.server import ServerThread, free_port
+from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
 from dsec.render import events_table, pools_table, workers_table
 
@@ -56,54 +58,75 @@ class DemoRun:
     state: dict[str, Any] = field(default_factory=dict)
 
     def worker_ids(self, role: str | None = None) -> list[dict[str, Any]]:
+        """Workers of the demo pool (optionally of one role), as the API lists them."""
         return [w for w in self.client.workers(pool=POOL) if role is None or w["role"] == role]
 
 
 @dataclass
 class Scene:
-    """Something to show: ``act`` runs once at ``at`` (fraction of the run), ``check`` at the end."""
+    """Something to show: ``act`` runs from ``at`` (fraction of the run) on until it returns True (done;
+    False means "not ready yet, try again"); ``check`` runs at the end."""
 
     title: str
     at: float
-    act: Callable[[DemoRun], None]
+    act: Callable[[DemoRun], bool]
     check: Callable[[DemoRun], bool]
 
 
-def _push_directive(run: DemoRun) -> None:
-    learners = sorted(run.worker_ids("learner"), key=lambda w: w["rank"])
-    if not learners:
-        return
-    target = learners[0]
-    d = run.client.set_directive(target["id"], sync_priority=1, snapshot_interval_s=30)
-    run.state["directive"] = (target["id"], d["desired_version"])
+def _learners(run: DemoRun) -> dict[int, dict[str, Any]]:
+    return {w["rank"]: w for w in run.worker_ids("learner")}
+
+
+def _compress_rank1(run: DemoRun) -> bool:
+    learners = _learners(run)
+    target = learners.get(max(learners)) if learners else None
+    before = target["metrics"].get("bytes_per_sync") if target else None
+    if target is None or not before:
+        return False  # no gradient sync reported yet
+    d = run.client.set_directive(target["id"], compression_bits=4)
+    run.state["compress"] = (target["id"], target["rank"], d["desired_version"], before)
     run.notes.append(
-        f"pushed directive v{d['desired_version']} (sync_priority=1, snapshot_interval_s=30) "
-        f"to learner rank 0 ({target['id']})"
+        f"told learner rank {target['rank']} ({target['id']}) to send 4-bit gradients: directive "
+        f"v{d['desired_version']}; it was sending {before:.0f} bytes per sync"
     )
+    return True
 
 
-def _directive_acked(run: DemoRun) -> bool:
-    if "directive" not in run.state:
+def _compressed(run: DemoRun) -> bool:
+    if "compress" not in run.state:
         return False
-    wid, version = run.state["directive"]
+    wid, rank, version, before = run.state["compress"]
     acked = any(
         e["data"].get("version") == version for e in run.client.all_events(worker_id=wid, types=["directive_acked"])
     )
-    run.notes.append(f"directive v{version} acked by {wid}: {acked}")
-    return acked
+    after = run.client.worker(wid)["metrics"].get("bytes_per_sync")
+    others = [w["metrics"].get("bytes_per_sync") for r, w in _learners(run).items() if r != rank]
+    ratio = before / after if before and after else 0.0
+    run.notes.append(
+        f"directive v{version} acked at a synchronized step: {acked}; rank {rank} now sends {after or 0:.0f} bytes "
+        f"per sync ({ratio:.1f}x less), the other ranks still {', '.join(f'{o:.0f}' for o in others if o)}"
+    )
+    return acked and ratio >= 6.0
 
 
-def _kill_actor(run: DemoRun) -> None:
+def _kill_actor(run: DemoRun) -> bool:
     for p in run.procs:
         if p.role == "actor" and p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGKILL)
+            os.killpg(p.popen.pid, signal.SIGKILL)
             run.state["killed_at"] = time.time()
-            run.notes.append(f"killed the actor process (pid {p.popen.pid}) with SIGKILL, no goodbye")
+            run.notes.append(f"killed the actor (process group {p.popen.pid}) with SIGKILL, no goodbye")
+    return True
 
 
 def _actor_lost(run: DemoRun) -> bool:
-    actors = run.worker_ids("actor")
-    lost = [e for a in actors for e in run.client.all_events(worker_id=a["id"], types=["lost"])]
+    # The kill may have been moments ago: give the control plane its detection window (3 beats) and some.
+    deadline = run.state.get("killed_at", 0.0) + 6 * HEARTBEAT_S + 2
+    while True:
+        actors = run.worker_ids("actor")
+        lost = [e for a in actors for e in run.client.all_events(worker_id=a["id"], types=["lost"])]
+        if lost or time.time() > deadline:
+            break
+        time.sleep(0.2)
     if lost and "killed_at" in run.state:
         run.notes.append(
             f"control plane marked the actor lost {lost[0]['ts'] - run.state['killed_at']:.1f} s "
@@ -112,8 +135,9 @@ def _actor_lost(run: DemoRun) -> bool:
     return bool(lost)
 
 
-def _scrape(run: DemoRun) -> None:
+def _scrape(run: DemoRun) -> bool:
     run.state["metrics_text"] = run.client.metrics_text()
+    return True
 
 
 def _scraped(run: DemoRun) -> bool:
@@ -129,21 +153,35 @@ HEADLINE_METRICS = (
 )
 
 SCENES = [
-    Scene("versioned directive: pushed, delivered in a heartbeat, acked", 0.35, _push_directive, _directive_acked),
-    Scene("liveness: a worker killed -9 becomes 'lost'", 0.55, _kill_actor, _actor_lost),
-    Scene("Prometheus /metrics carries the four headline gauges per pool", 0.8, _scrape, _scraped),
+    Scene(
+        "4-bit gradient compression on one rank: directive acked, its upload >= 6x smaller",
+        0.3,
+        _compress_rank1,
+        _compressed,
+    ),
+    Scene("liveness: a worker killed -9 becomes 'lost'", 0.3, _kill_actor, _actor_lost),
+    Scene("Prometheus /metrics carries the four headline gauges per pool", 0.45, _scrape, _scraped),
 ]
 
 
-def _spawn(role: str, rank: int, world: int, env: dict[str, str], logdir: Path) -> Proc:
-    name = f"{role}-{rank}"
+def _spawn(name: str, role: str, command: list[str], env: dict[str, str], logdir: Path) -> Proc:
+    """``command`` under `dsec run`: the probe is injected into every Python process it starts."""
     log = logdir / f"{name}.log"
-    penv = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "DSEC_ROLE": role}
+    dsec = [sys.executable, "-m", "dsec.cli", "run", "--role", role, "--"]
     with log.open("wb") as fh:
+        # A session of its own: killing the group reaches the launcher and every process it started.
         popen = subprocess.Popen(
-            [sys.executable, "-m", "dsec.demo.workload", role], env=penv, stdout=fh, stderr=subprocess.STDOUT
+            [*dsec, *command], env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
         )
     return Proc(name, role, popen, log)
+
+
+def _ppo_result(proc: Proc) -> dict[str, Any]:
+    lines = [ln for ln in proc.log.read_text().splitlines() if ln.startswith("{")]
+    try:
+        return dict(json.loads(lines[-1])) if lines else {}
+    except ValueError:
+        return {}
 
 
 def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
@@ -157,11 +195,31 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
     t.add_row("workers", ", ".join(f"{c} {s}" for s, c in sorted(Counter(w["state"] for w in ws).items())))
     t.add_row("heartbeats", str(st["heartbeats"]))
     t.add_row("events", ", ".join(f"{ty}={n}" for ty, n in sorted(Counter(e["type"] for e in evs).items())))
-    learner_returns = [w["metrics"].get("episode_return_mean") for w in ws if w["role"] == "learner"]
+    learners = sorted((w for w in ws if w["role"] == "learner"), key=lambda w: w["rank"])
     t.add_row(
-        "learner steps", ", ".join(str(int(w["metrics"].get("steps_total", 0))) for w in ws if w["role"] == "learner")
+        "learner updates / env steps (probe)",
+        ", ".join(
+            f"rank {w['rank']}: {int(m.get('updates_total', 0))} / {int(m.get('env_steps_total', 0))}"
+            for w in learners
+            for m in (w["metrics"],)
+        ),
     )
-    t.add_row("last episode return (learners)", ", ".join(f"{r:.1f}" for r in learner_returns if r is not None) or "-")
+    t.add_row(
+        "learner grad syncs, p99 sync ms",
+        ", ".join(
+            f"rank {w['rank']}: {int(w['metrics'].get('sync_ops_total', 0))}, "
+            f"{w['metrics'].get('sync_latency_ms_p99', float('nan')):.2f}"
+            for w in learners
+        ),
+    )
+    ppo = run.state.get("ppo", {})
+    if ppo:
+        t.add_row(
+            "PPO (examples/ppo_cartpole_ddp.py)",
+            f"average return {ppo.get('avg_return', float('nan')):.1f} after {ppo.get('env_steps')} env steps, "
+            f"{ppo.get('updates')} updates, {ppo.get('seconds', 0):.1f} s"
+            + (" — reached 475" if ppo.get("reached") else ""),
+        )
     metrics_text = run.state.get("metrics_text", "")
     for name in HEADLINE_METRICS:
         line = next((ln for ln in metrics_text.splitlines() if ln.startswith(f'{name}{{pool="{POOL}"}}')), None)
@@ -173,7 +231,7 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
     return t
 
 
-def run_demo(console: Console, workers: int = 3, duration_s: float = 25.0, keep_home: bool = False) -> int:
+def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_home: bool = False) -> int:
     home = Path(tempfile.mkdtemp(prefix="dsec-demo-"))
     start = time.time()
     console.rule("[bold]DSec demo")
@@ -195,19 +253,28 @@ def run_demo(console: Console, workers: int = 3, duration_s: float = 25.0, keep_
             "DSEC_SANDBOX_ID": POOL,
             "DSEC_TOKEN": pool_token,
             "DSEC_HEARTBEAT_INTERVAL": str(HEARTBEAT_S),
-            "DSEC_DEMO_SECONDS": str(duration_s),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
         env.pop("DSEC_HOME", None)
-        for rank in range(workers):
-            procs.append(_spawn("learner", rank, workers, env, home))
-        procs.append(_spawn("actor", 0, 1, env, home))
+        ppo = [
+            sys.executable,
+            str(resources.files("dsec") / "data" / "ppo_cartpole_ddp.py"),
+            "--world-size",
+            str(workers),
+            "--seed",
+            "1",
+            "--max-seconds",
+            str(duration_s),
+            "--log-every",
+            "0",
+        ]
+        procs.append(_spawn("learners", "learner", ppo, env, home))
+        procs.append(_spawn("actor", "actor", [sys.executable, "-m", "dsec.demo.workload", str(duration_s)], env, home))
         console.print(
-            f"started {workers} DDP learner processes (gloo) and 1 actor process; heartbeat every {HEARTBEAT_S} s"
+            f"started `dsec run -- python examples/ppo_cartpole_ddp.py --world-size {workers}` (PPO, DDP over gloo, "
+            f"no dsec import) and one actor process; the probe reports every {HEARTBEAT_S} s"
         )
         run = DemoRun(console, client, procs)
         pending = list(SCENES)
@@ -223,8 +290,8 @@ def run_demo(console: Console, workers: int = 3, duration_s: float = 25.0, keep_
                 while any(p.popen.poll() is None for p in procs if p.role == "learner"):
                     frac = (time.time() - t0) / duration_s
                     for scene in [s for s in pending if frac >= s.at]:
-                        scene.act(run)
-                        pending.remove(scene)
+                        if scene.act(run):
+                            pending.remove(scene)
                     s = client.status()
                     mine = [w for w in s["workers"] if w["pool"] == POOL]
                     page = client.events(pool=POOL, cursor=cursor, limit=1000)
@@ -245,6 +312,7 @@ def run_demo(console: Console, workers: int = 3, duration_s: float = 25.0, keep_
             scenes_ok = {s.title: s.check(run) for s in SCENES}
             learners_ok = all(p.popen.wait(timeout=30) == 0 for p in procs if p.role == "learner")
             scenes_ok["training processes finished cleanly"] = learners_ok
+            run.state["ppo"] = _ppo_result(procs[0])
             console.print(pools_table(client.status()))
             console.print(_summary(run, scenes_ok, time.time() - start))
             code = 0 if all(scenes_ok.values()) else 1
@@ -253,8 +321,8 @@ def run_demo(console: Console, workers: int = 3, duration_s: float = 25.0, keep_
                     console.print(f"[dim]--- {p.name} log (tail) ---\n{p.log.read_text()[-2000:]}")
         finally:
             for p in procs:
-                if p.popen.poll() is None:
-                    p.popen.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
                 p.popen.wait()
     if keep_home:
         console.print(f"state kept in {home}")
