@@ -28,6 +28,7 @@ from dsec.control.http import (
     model_error_handler,
     request_validation_handler,
 )
+from dsec.control.ingest import HeartbeatShortcut, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
 from dsec.control.schemas import (
     NAME_PATTERN,
@@ -94,17 +95,23 @@ def worker_routes() -> APIRouter:
         """Register a worker with a pool token; answers its id, its own token and its first directive."""
         return JSON(await _cp(request).register(body, bearer(authorization)), status_code=201)
 
-    @r.post("/{worker_id}/heartbeat")
-    async def heartbeat(
-        worker_id: WorkerId, body: HeartbeatRequest, request: Request, authorization: Auth = None
-    ) -> Response:
-        """Report a batch of metric summaries and events; answers the directive when its version changed."""
-        cp = _cp(request)
-        w = cp.worker_for(worker_id, bearer(authorization))
-        answer = await cp.heartbeat(w, body)
-        if not answer["duplicate"]:
-            request.app.state.metrics.heartbeats.labels(w.pool).inc()
-        return JSON(answer)
+    @r.post(
+        "/{worker_id}/heartbeat",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HeartbeatRequest"}}},
+            }
+        },
+    )
+    async def heartbeat(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
+        """Report a batch of metric summaries and events; answers the directive when its version changed.
+
+        Normally answered by the ASGI shortcut in ingest.py before FastAPI routing; same handler."""
+        status, answer = await handle_heartbeat(
+            _cp(request), request.app.state.metrics, worker_id, authorization, await request.body()
+        )
+        return JSON(answer, status_code=status)
 
     @r.post("/{worker_id}/deregister")
     async def deregister(
@@ -323,7 +330,27 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.include_router(worker_routes())
     app.include_router(admin_routes())
     app.add_middleware(BodyLimitAndMetrics, max_body_bytes=settings.max_body_bytes, metrics=app.state.metrics)
+    if settings.heartbeat_shortcut:  # outermost: heartbeats skip everything above
+        app.add_middleware(HeartbeatShortcut, cp=cp, metrics=app.state.metrics, max_body_bytes=settings.max_body_bytes)
+    _register_schema(app, HeartbeatRequest)
     return app
+
+
+def _register_schema(app: FastAPI, model: type[Any]) -> None:
+    """Add a model to the OpenAPI components (for routes that read their body themselves)."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original()
+            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(defs.pop("$defs", {}))
+            components[model.__name__] = defs
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _reconcile_forever(cp: ControlPlane) -> None:

@@ -7,6 +7,7 @@ task and a stream copy, which matters at 10k heartbeats/s.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
 import orjson
@@ -38,19 +39,25 @@ def _loc_to_field(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "body"
 
 
-def validation_error_response(exc: RequestValidationError) -> JSON:
+def validation_details(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """pydantic errors -> [{"field", "message", "type"}], fields as dotted paths without the source prefix."""
     details = []
-    for err in exc.errors():
-        loc = err.get("loc", ())
-        field = _loc_to_field(loc)
+    for err in errors:
+        field = _loc_to_field(err.get("loc", ()))
         msg = err.get("msg", "invalid")
         if err.get("type") == "json_invalid":
             field = "body"
             msg = f"malformed JSON: {err.get('ctx', {}).get('error', msg)}"
         details.append({"field": field, "message": msg, "type": err.get("type")})
-    first = details[0] if details else {"field": "body", "message": "invalid request"}
+    return details or [{"field": "body", "message": "invalid request", "type": None}]
+
+
+def validation_error_response(exc: RequestValidationError) -> JSON:
+    details = validation_details(exc.errors())
     message = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
-    return JSON({"error": "invalid", "message": message, "field": first["field"], "details": details}, status_code=422)
+    return JSON(
+        {"error": "invalid", "message": message, "field": details[0]["field"], "details": details}, status_code=422
+    )
 
 
 async def api_error_handler(_request: Request, exc: Exception) -> Response:

@@ -26,9 +26,11 @@ class Settings:
     default_heartbeat_interval_s: float = 5.0
     # How often the hot in-memory state is written back. Events and registrations do not wait for
     # this: they are group-committed before the request is answered.
-    flush_interval_s: float = 0.25
+    flush_interval_s: float = 1.0
     reconcile_interval_s: float = 0.25
     max_body_bytes: int = 1 << 20
+    # Answer heartbeats in a raw ASGI shortcut before FastAPI routing (same handler; see ingest.py).
+    heartbeat_shortcut: bool = True
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:
