@@ -50,7 +50,7 @@ async def handle_heartbeat(
     except ApiError as exc:
         return exc.status, exc.body()
     if not answer["duplicate"]:
-        metrics.heartbeats.labels(w.pool).inc()
+        metrics.heartbeat_counter(w.pool).inc()
     return 200, answer
 
 
@@ -72,8 +72,8 @@ class HeartbeatShortcut:
         self.cp = cp
         self.metrics = metrics
         self.max = max_body_bytes
-        self._count = metrics.requests
         self._latency = metrics.latency.labels(ROUTE)
+        self._by_status: dict[int, Any] = {}  # label children cached: labels() costs a lock and a dict build
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         worker_id = match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -103,7 +103,10 @@ class HeartbeatShortcut:
             }
         )
         await send({"type": "http.response.body", "body": payload})
-        self._count.labels(ROUTE, "POST", str(status)).inc()
+        counter = self._by_status.get(status)
+        if counter is None:
+            counter = self._by_status[status] = self.metrics.requests.labels(ROUTE, "POST", str(status))
+        counter.inc()
         self._latency.observe(time.perf_counter() - start)
 
 

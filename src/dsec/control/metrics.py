@@ -111,3 +111,11 @@ class ControlPlaneMetrics:
         self.heartbeats = Counter(
             "dsec_heartbeats_total", "Heartbeats applied, by pool.", ["pool"], registry=self.registry
         )
+        self._heartbeats_by_pool: dict[str, Counter] = {}
+
+    def heartbeat_counter(self, pool: str) -> Counter:
+        """The pool's child of dsec_heartbeats_total, cached (the hot path calls this per beat)."""
+        child = self._heartbeats_by_pool.get(pool)
+        if child is None:
+            child = self._heartbeats_by_pool[pool] = self.heartbeats.labels(pool)
+        return child

@@ -20,8 +20,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 def uvicorn_config(app: FastAPI, host: str, port: int, **kw: Any) -> uvicorn.Config:
     # httptools + uvloop when installed (uvicorn[standard]); keep-alive long enough that reporters
     # reuse their connection between beats.
+    from dsec.control.app import serve_target
+
     return uvicorn.Config(
-        app,
+        serve_target(app),
         host=host,
         port=port,
         log_level=kw.pop("log_level", "warning"),
