@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -30,15 +31,51 @@ HERE = Path(__file__).resolve().parent
 
 
 # -- the server side (runs in the child) ---------------------------------------------------------
-def serve(home: str, port: int, admin_token: str, host: str = "127.0.0.1", cprofile_out: str | None = None) -> None:
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for a ``Settings`` field, the value converted to the field's default's type."""
+    from dsec.control.settings import Settings
+
+    key, sep, raw = text.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    if not sep or key not in fields or key in ("home", "database_url", "admin_token"):
+        raise ValueError(
+            f"--server-setting {text!r}: expected KEY=VALUE with KEY one of "
+            f"{sorted(set(fields) - {'home', 'database_url', 'admin_token'})}"
+        )
+    default = fields[key].default
+    if isinstance(default, bool):
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"--server-setting {text!r}: expected a boolean (true/false)")
+        return key, raw.lower() in ("1", "true", "yes", "on")
+    conv = type(default) if isinstance(default, (int, float, str)) else str
+    return key, conv(raw)
+
+
+def serve(
+    home: str,
+    port: int,
+    admin_token: str,
+    host: str = "127.0.0.1",
+    cprofile_out: str | None = None,
+    settings_kv: list[str] | None = None,
+    wrap: str | None = None,
+) -> None:
+    import importlib
+
     import uvicorn
 
     from dsec.control.app import create_app
     from dsec.control.server import uvicorn_config
     from dsec.control.settings import Settings
 
-    settings = Settings.from_env(home=home, admin_token=admin_token)
+    overrides = dict(parse_setting(kv) for kv in settings_kv or ())
+    settings = Settings.from_env(home=home, admin_token=admin_token, **overrides)
     app = create_app(settings)
+    if wrap:
+        # A prototype to A/B without touching src/: "module:callable" taking the app, returning an
+        # ASGI app (its lifespan must still reach the wrapped app).
+        mod, _, fn = wrap.partition(":")
+        app = getattr(importlib.import_module(mod), fn)(app)
     server = uvicorn.Server(uvicorn_config(app, host, port))
     # uvicorn installs its own SIGINT/SIGTERM handlers (graceful shutdown, lifespan included).
     if cprofile_out is None:
@@ -63,18 +100,39 @@ class ServerProcess:
     SIGKILL after a grace period), so Ctrl-C or an exception in the benchmark never leaves it behind.
     """
 
-    def __init__(self, admin_token: str = "dsa_bench_admin_token", cprofile_out: str | None = None,
-                 startup_timeout_s: float = 30.0, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        admin_token: str = "dsa_bench_admin_token",
+        cprofile_out: str | None = None,
+        settings: list[str] | None = None,
+        wrap: str | None = None,
+        startup_timeout_s: float = 30.0,
+        python: str = sys.executable,
+    ) -> None:
         from dsec.control.server import free_port
 
         self.admin_token = admin_token
         self.host = "127.0.0.1"
         self.port = free_port(self.host)
         self.home = tempfile.mkdtemp(prefix="dsec-bench-")
-        cmd = [python, str(HERE / "_common.py"), "serve", "--home", self.home, "--port", str(self.port),
-               "--admin-token", admin_token]
+        cmd = [
+            python,
+            str(HERE / "_common.py"),
+            "serve",
+            "--home",
+            self.home,
+            "--port",
+            str(self.port),
+            "--admin-token",
+            admin_token,
+        ]
         if cprofile_out:
             cmd += ["--cprofile", str(Path(cprofile_out).resolve())]
+        for kv in settings or ():
+            parse_setting(kv)  # fail here, not in the child
+            cmd += ["--setting", kv]
+        if wrap:
+            cmd += ["--wrap", wrap]
         env = dict(os.environ)
         env.pop("DSEC_DATABASE_URL", None)  # always the temporary SQLite store
         # The child's stdout goes to our stderr: our stdout's last line is the JSON result.
@@ -156,8 +214,22 @@ class PySpy:
         if not Path(exe).exists():
             raise RuntimeError("py-spy not found: .venv/bin/pip install py-spy")
         self.out = out
-        cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))),
-               "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking", "-o", out]
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(max(1, round(duration_s))),
+            "--rate",
+            str(rate),
+            "--format",
+            "raw",
+            "--threads",
+            "--nonblocking",
+            "-o",
+            out,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT)
 
     def wait(self, timeout_s: float = 30.0) -> None:
@@ -173,70 +245,86 @@ class PySpy:
 
 
 # -- py-spy raw ("collapsed") output -> where the time goes --------------------------------------
-# Buckets are checked in order against every frame of a stack (innermost first wins), so put the
-# narrow ones before the broad ones. The patterns match "function (file.py:line)" frame strings.
+# A sample goes to the bucket of its innermost frame that matches any pattern (frames look like
+# "function (path/file.py:line)"); within one frame the first matching bucket wins.
 BUCKETS: list[tuple[str, tuple[str, ...]]] = [
-    ("sqlite/sqlalchemy (writer)", ("sqlalchemy/", "sqlite3", "store/sql.py")),
-    ("hot-state rows (take_dirty/row)", ("take_dirty", "(state.py")),
-    ("auth sha256/compare", ("control/auth.py",)),
+    ("sqlite/sqlalchemy write", ("sqlalchemy/", "sqlite3", "store/sql.py")),
+    ("writer: take_dirty/row copies", ("take_dirty", "LiveWorker.row", "info_to_dict")),
+    ("writer thread other", ("control/writer.py", "queue.py", "threading.py")),
+    ("auth: sha256 + compare_digest", ("control/auth.py",)),
     ("prometheus_client", ("prometheus_client/",)),
-    ("orjson / JSON render", ("http.py:26", "render (")),
-    ("pydantic validation", ("pydantic/", "pydantic_core", "validate_python", "validate_json")),
-    ("fastapi params/deps", ("fastapi/dependencies", "fastapi/_compat", "fastapi/encoders")),
-    ("fastapi routing", ("fastapi/routing",)),
-    ("ControlPlane (service.py)", ("control/service.py",)),
-    ("reconcile/liveness", ("liveness.py", "_reconcile_forever")),
-    ("middleware (http.py)", ("control/http.py",)),
-    ("starlette routing/request", ("starlette/routing", "starlette/requests", "starlette/_exception_handler",
-                                   "starlette/middleware")),
-    ("starlette response", ("starlette/responses",)),
-    ("uvicorn httptools protocol", ("uvicorn/protocols",)),
+    ("orjson response render", ("JSON.render",)),
+    ("stdlib json decode (FastAPI body)", ("json/decoder.py", "loads (json/")),
+    ("stdlib json encode (SQLAlchemy JSON)", ("json/encoder.py", "dumps (json/")),
+    ("pydantic validation", ("pydantic/", "pydantic_core", "TypeAdapter", "model_validate")),
+    ("fastapi params/dependencies", ("fastapi/dependencies", "fastapi/_compat", "fastapi/encoders", "fastapi/params")),
+    ("fastapi routing/middleware", ("fastapi/", "contextlib.py")),
+    ("reconcile pass (every 0.25 s)", ("ControlPlane.reconcile", "liveness.py", "_reconcile_forever")),
+    ("ControlPlane.heartbeat/worker_for", ("control/service.py",)),
+    ("hot state mark_dirty", ("control/state.py",)),
+    ("route handler (app.py)", ("control/app.py",)),
+    ("dsec middleware (http.py)", ("control/http.py",)),
+    ("starlette request/response/routing", ("starlette/",)),
+    ("uvicorn send: transport.write syscalls", ("RequestResponseCycle.send ",)),
+    ("uvicorn httptools parse/protocol", ("uvicorn/protocols",)),
     ("uvicorn other", ("uvicorn/",)),
-    ("asyncio/uvloop loop", ("asyncio/", "uvloop", "<module>", "run_forever")),
+    ("event loop (uvloop C, non-idle)", ("asyncio/", "uvloop", "run_forever", "Runner.run")),
 ]
 
 
-def pyspy_summary(path: str, top: int = 40, thread_filter: str | None = None) -> str:
-    """Self-time buckets and the top inclusive/self frames of a py-spy ``--format raw`` file."""
-    self_t: collections.Counter[str] = collections.Counter()
-    incl: collections.Counter[str] = collections.Counter()
-    buckets: collections.Counter[str] = collections.Counter()
-    threads: collections.Counter[str] = collections.Counter()
-    total = 0
+def _bucket(frames: list[str]) -> str:
+    for f in reversed(frames):
+        for name, pats in BUCKETS:
+            if any(p in f for p in pats):
+                return name
+    return "other"
+
+
+def pyspy_summary(path: str, top: int = 30, thread_filter: str | None = None) -> str:
+    """Per-thread share, then self-time buckets and top frames of a py-spy ``--format raw --threads``
+    file (idle samples are not recorded, so percentages are of busy samples)."""
+    per_thread: dict[str, dict[str, collections.Counter[str]]] = {}
     for line in Path(path).read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        count = int(n)
         frames = stack.split(";")
-        thread = frames[0] if frames and frames[0].startswith(("thread", "process")) else "?"
-        if frames and frames[0].startswith("process"):
+        thread = "?"
+        while frames and frames[0].startswith(("process ", "thread ")):
+            if frames[0].startswith("thread "):
+                thread = frames[0].split(": ", 1)[-1]
             frames = frames[1:]
-            thread = frames[0] if frames and frames[0].startswith("thread") else thread
-        if frames and frames[0].startswith("thread"):
-            frames = frames[1:]
-        threads[thread] += count
         if thread_filter and thread_filter not in thread:
             continue
-        total += count
+        c = per_thread.setdefault(
+            thread,
+            {
+                "self": collections.Counter(),
+                "incl": collections.Counter(),
+                "bucket": collections.Counter(),
+                "n": collections.Counter(),
+            },
+        )
+        count = int(n)
+        c["n"]["n"] += count
         if frames:
-            self_t[frames[-1]] += count
+            c["self"][frames[-1]] += count
         for f in set(frames):
-            incl[f] += count
-        label = "other"
-        for f in reversed(frames):
-            hit = next((name for name, pats in BUCKETS if any(p in f for p in pats)), None)
-            if hit:
-                label = hit
-                break
-        buckets[label] += count
-    out = [f"samples: {total}  threads: " + ", ".join(f"{t} {c}" for t, c in threads.most_common())]
-    out.append("\n== self time by bucket (innermost matching frame) ==")
-    out += [f"{100 * c / total:6.1f}%  {b}" for b, c in buckets.most_common()] if total else []
-    out.append(f"\n== top {top} inclusive ==")
-    out += [f"{100 * c / total:6.1f}%  {f}" for f, c in incl.most_common(top)] if total else []
-    out.append(f"\n== top {top} self ==")
-    out += [f"{100 * c / total:6.1f}%  {f}" for f, c in self_t.most_common(top)] if total else []
+            c["incl"][f] += count
+        c["bucket"][_bucket(frames)] += count
+    total = sum(c["n"]["n"] for c in per_thread.values())
+    out = [
+        f"busy samples: {total}; by thread: "
+        + ", ".join(f"{t} {c['n']['n']} ({100 * c['n']['n'] / max(total, 1):.1f}%)" for t, c in per_thread.items())
+    ]
+    for thread, c in sorted(per_thread.items(), key=lambda kv: -kv[1]["n"]["n"]):
+        n = c["n"]["n"]
+        out.append(f"\n==== {thread}: {n} samples; self time by bucket ====")
+        out += [f"{100 * v / n:6.1f}%  {b}" for b, v in c["bucket"].most_common()]
+        out.append(f"-- top {top} inclusive --")
+        out += [f"{100 * v / n:6.1f}%  {f}" for f, v in c["incl"].most_common(top)]
+        out.append(f"-- top {top} self --")
+        out += [f"{100 * v / n:6.1f}%  {f}" for f, v in c["self"].most_common(top)]
     return "\n".join(out)
 
 
@@ -249,15 +337,17 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--admin-token", required=True)
     s.add_argument("--cprofile", default=None, help="dump cProfile stats of the event-loop thread here")
+    s.add_argument("--setting", action="append", default=[], help="Settings override KEY=VALUE (repeatable)")
+    s.add_argument("--wrap", default=None, help="module:callable wrapping the app (prototype A/B)")
     p = sub.add_parser("pyspy-summary", help="summarise a py-spy --format raw profile")
     p.add_argument("path")
-    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--top", type=int, default=30)
     p.add_argument("--thread", default=None, help="only stacks whose thread label contains this")
     args = ap.parse_args(argv)
     if args.cmd == "serve":
         # uvicorn re-raises the SIGINT it handled once it has shut down: that is a clean exit here.
         with contextlib.suppress(KeyboardInterrupt):
-            serve(args.home, args.port, args.admin_token, args.host, args.cprofile)
+            serve(args.home, args.port, args.admin_token, args.host, args.cprofile, args.setting, args.wrap)
     else:
         print(pyspy_summary(args.path, args.top, args.thread))
 

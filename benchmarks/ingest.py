@@ -59,16 +59,20 @@ def metric_blobs(n: int, seed: int = 7) -> list[bytes]:
     out = []
     for _ in range(n):
         ops = rnd.randint(1_000, 1_000_000)
-        out.append(orjson.dumps({
-            "memory_used_gb": round(rnd.uniform(4.0, 11.5), 3),
-            "gpu_util": round(rnd.uniform(0.4, 1.0), 4),
-            "step_time_ms_p50": round(rnd.uniform(80, 400), 2),
-            "step_time_ms_p99": round(rnd.uniform(400, 1200), 2),
-            "sync_latency_ms_p99": round(rnd.uniform(5, 120), 2),
-            "bandwidth_mbps": round(rnd.uniform(10, 128), 2),
-            "sync_ops_total": float(ops),
-            "sync_ok_total": float(ops - rnd.randint(0, ops // 100)),
-        }))
+        out.append(
+            orjson.dumps(
+                {
+                    "memory_used_gb": round(rnd.uniform(4.0, 11.5), 3),
+                    "gpu_util": round(rnd.uniform(0.4, 1.0), 4),
+                    "step_time_ms_p50": round(rnd.uniform(80, 400), 2),
+                    "step_time_ms_p99": round(rnd.uniform(400, 1200), 2),
+                    "sync_latency_ms_p99": round(rnd.uniform(5, 120), 2),
+                    "bandwidth_mbps": round(rnd.uniform(10, 128), 2),
+                    "sync_ops_total": float(ops),
+                    "sync_ok_total": float(ops - rnd.randint(0, ops // 100)),
+                }
+            )
+        )
     return out
 
 
@@ -92,6 +96,7 @@ class Stats:
     error_samples: list[str] = field(default_factory=list)
     lat: list[float] = field(default_factory=list)  # send -> answer, seconds
     e2e: list[float] = field(default_factory=list)  # scheduled -> answer (paced mode)
+    ev_lat: list[float] = field(default_factory=list)  # send -> answer of beats carrying an event
     events_sent: int = 0
     directives_seen: int = 0
 
@@ -205,8 +210,10 @@ class Run:
     httpx_client: Any = None
 
     def head_for(self, path: str, token: str) -> bytes:
-        return (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\nauthorization: Bearer {token}\r\n"
-                "content-type: application/json\r\ncontent-length: ").encode()
+        return (
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\nauthorization: Bearer {token}\r\n"
+            "content-type: application/json\r\ncontent-length: "
+        ).encode()
 
     async def connect(self) -> RawConn | HttpxConn:
         if self.httpx_client is not None:
@@ -214,8 +221,16 @@ class Run:
         return await RawConn.open(self.host, self.port)
 
     async def register(self, conn: RawConn | HttpxConn, w: Worker) -> None:
-        body = orjson.dumps({"pool": POOL, "rank": w.rank, "role": "learner", "host": "bench-node",
-                             "pid": 10_000 + w.rank, "heartbeat_interval_s": self.args.interval})
+        body = orjson.dumps(
+            {
+                "pool": POOL,
+                "rank": w.rank,
+                "role": "learner",
+                "host": "bench-node",
+                "pid": 10_000 + w.rank,
+                "heartbeat_interval_s": self.args.interval,
+            }
+        )
         path = "/v1/workers/register"
         status, answer = await conn.post(path, self.pool_token, self.head_for(path, self.pool_token), body)
         if status != 201:
@@ -261,7 +276,11 @@ class Run:
                 w.seq += 1
                 ev = LOG_EVENT if rnd.random() < args.event_ratio else NO_EVENTS
                 body = b'{"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}' % (
-                    w.seq, w.acked, blobs[(w.rank + w.seq) % nblobs], ev)
+                    w.seq,
+                    w.acked,
+                    blobs[(w.rank + w.seq) % nblobs],
+                    ev,
+                )
                 t_send = perf()
                 try:
                     status, answer = await conn.post(w.path, w.token, w.raw_head, body)
@@ -275,10 +294,10 @@ class Run:
                     continue
                 t_done = perf()
                 measured = self.m0 <= t_done <= self.m1
-                if status != 200:
+                if status != 200 or b'"duplicate":false' not in answer:
+                    # Counted in warmup too: any failed or not-applied beat is an error.
                     st.statuses[status] += 1
-                    if measured:
-                        st.error(f"HTTP {status}: {answer[:200]!r}")
+                    st.error(f"HTTP {status}: {answer[:200]!r}")
                     continue
                 if b'"directive":null' not in answer:  # a new directive: apply and ack it next beat
                     st.directives_seen += 1
@@ -293,6 +312,7 @@ class Run:
                         st.e2e.append(t_done - due)
                     if ev is LOG_EVENT:
                         st.events_sent += 1
+                        st.ev_lat.append(t_done - t_send)
         finally:
             conn.close()
 
@@ -306,19 +326,31 @@ def server_cpu_s(pid: int) -> float:
         return float("nan")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs spent busy (not idle/iowait) since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return (sum(vals[:8]) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str) -> dict[str, Any]:
     run = Run(args, server.host, server.port, pool_token, blobs=metric_blobs(METRIC_VARIANTS))
     if args.client == "httpx":
         import httpx
 
         run.httpx_client = httpx.AsyncClient(
-            base_url=server.url, timeout=30.0,
+            base_url=server.url,
+            timeout=30.0,
             limits=httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections),
         )
     workers = [Worker(rank=i) for i in range(args.workers)]
     per_conn = [workers[c :: args.connections] for c in range(args.connections)]
     loop = asyncio.get_running_loop()
     registered = [loop.create_future() for _ in per_conn]
+    spy: PySpy | None = None
     t_reg = time.perf_counter()
     tasks = [asyncio.create_task(run.connection(c, ws, registered[c])) for c, ws in enumerate(per_conn) if ws]
     try:
@@ -329,13 +361,13 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str
         run.go.set()
         await asyncio.sleep(args.warmup)
         spy = PySpy(server.pid, args.py_spy, args.duration) if args.py_spy else None
-        cpu0, srv0 = time.process_time(), server_cpu_s(server.pid)
+        cpu0, srv0, all0 = time.process_time(), server_cpu_s(server.pid), machine_busy_s()
         run.m0 = time.perf_counter()
         run.m1 = run.m0 + args.duration
         await asyncio.sleep(args.duration)
         run.stop = True
         window = time.perf_counter() - run.m0
-        cpu1, srv1 = time.process_time(), server_cpu_s(server.pid)
+        cpu1, srv1, all1 = time.process_time(), server_cpu_s(server.pid), machine_busy_s()
         done, pending = await asyncio.wait(tasks, timeout=10.0)
         for t in pending:
             t.cancel()
@@ -352,30 +384,41 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str
         spy.wait()
     st = run.stats
     lat = sorted(st.lat)
-    e2e = sorted(st.e2e)
+
+    def ms(values: list[float], q: float) -> float | None:
+        return round(percentile(sorted(values), q) * 1e3, 3) if values else None
+
     result: dict[str, Any] = {
         "workers": args.workers,
         "heartbeats_per_s": round(st.ok / args.duration, 1),
-        "p50_ms": round(percentile(lat, 50) * 1e3, 3),
-        "p99_ms": round(percentile(lat, 99) * 1e3, 3),
+        "p50_ms": ms(lat, 50),
+        "p99_ms": ms(lat, 99),
         "errors": st.errors,
         "connections": args.connections,
         "duration_s": args.duration,
-        "p999_ms": round(percentile(lat, 99.9) * 1e3, 3),
+        "p999_ms": ms(lat, 99.9),
         "max_ms": round(lat[-1] * 1e3, 3) if lat else None,
         "mode": f"paced {args.rate}/s" if args.rate else "closed-loop",
         "client": args.client,
         "beats": st.ok,
         "events_sent": st.events_sent,
+        "event_beat_p50_ms": ms(st.ev_lat, 50),
+        "event_beat_p99_ms": ms(st.ev_lat, 99),
         "transport_errors": st.transport_errors,
         "statuses": {str(k): v for k, v in sorted(st.statuses.items())},
         "server_cpu_pct": round(100 * (srv1 - srv0) / window, 1),
+        # CPU cost per answered beat: comparable across runs even when the machine is shared.
+        "server_cpu_us_per_beat": round(1e6 * (srv1 - srv0) / st.ok, 1) if st.ok else None,
+        "client_cpu_us_per_beat": round(1e6 * (cpu1 - cpu0) / st.ok, 1) if st.ok else None,
         "client_cpu_pct": round(100 * (cpu1 - cpu0) / window, 1),
+        # Everything else on the machine (other processes, kernel): a noisy neighbour shows up here.
+        "other_cpu_pct": round(100 * ((all1 - all0) - (srv1 - srv0) - (cpu1 - cpu0)) / window, 1),
+        "cpus": os.cpu_count(),
         "register_s": round(reg_s, 3),
     }
     if args.rate:
-        result["e2e_p50_ms"] = round(percentile(e2e, 50) * 1e3, 3)
-        result["e2e_p99_ms"] = round(percentile(e2e, 99) * 1e3, 3)
+        result["e2e_p50_ms"] = ms(st.e2e, 50)
+        result["e2e_p99_ms"] = ms(st.e2e, 99)
     if st.error_samples:
         result["error_samples"] = st.error_samples
     return result
@@ -387,16 +430,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connections", type=int, default=64, help="keep-alive connections (default 64)")
     ap.add_argument("--duration", type=float, default=20.0, help="measured seconds (default 20)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring (default 5)")
-    ap.add_argument("--rate", type=float, default=None,
-                    help="pace to this many beats/s in total instead of closed-loop")
-    ap.add_argument("--interval", type=float, default=5.0,
-                    help="heartbeat_interval_s the workers declare (liveness only; default 5)")
-    ap.add_argument("--event-ratio", type=float, default=0.01,
-                    help="share of beats carrying one log event (default 0.01)")
+    ap.add_argument(
+        "--rate", type=float, default=None, help="pace to this many beats/s in total instead of closed-loop"
+    )
+    ap.add_argument(
+        "--interval",
+        type=float,
+        default=5.0,
+        help="heartbeat_interval_s the workers declare (liveness only; default 5)",
+    )
+    ap.add_argument(
+        "--event-ratio", type=float, default=0.01, help="share of beats carrying one log event (default 0.01)"
+    )
     ap.add_argument("--client", choices=("raw", "httpx"), default="raw")
-    ap.add_argument("--py-spy", default=None, metavar="OUT",
-                    help="record the server with py-spy (raw collapsed stacks) during the measured window")
+    ap.add_argument(
+        "--py-spy",
+        default=None,
+        metavar="OUT",
+        help="record the server with py-spy (raw collapsed stacks) during the measured window",
+    )
     ap.add_argument("--cprofile", default=None, metavar="OUT", help="run the server under cProfile, dump here")
+    ap.add_argument(
+        "--server-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a control-plane Settings field, e.g. flush_interval_s=5 (repeatable)",
+    )
+    ap.add_argument(
+        "--server-wrap",
+        default=None,
+        metavar="MODULE:CALLABLE",
+        help="wrap the app with a prototype (importable by the server, e.g. from benchmarks/)",
+    )
     ap.add_argument("--setup-timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
     if not 1 <= args.workers <= 100_000:
@@ -423,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
-    with ServerProcess(cprofile_out=args.cprofile) as server:
+    with ServerProcess(cprofile_out=args.cprofile, settings=args.server_setting, wrap=args.server_wrap) as server:
         with admin_client(server) as admin:
             admin.put_pool(POOL, memory_base_gb=7.0, memory_ceiling_gb=12.0)
             pool_token = admin.create_token(pool=POOL, label="bench")
@@ -431,13 +497,25 @@ def main(argv: list[str] | None = None) -> int:
         rc = server.stop()
     if rc not in (0, None):
         print(f"warning: control plane exited with {rc}", file=sys.stderr)
-    print(f"{result['workers']} workers, {result['connections']} conns, {result['mode']}, {args.client}: "
-          f"{result['heartbeats_per_s']:.0f} beats/s, p50 {result['p50_ms']:.2f} ms, "
-          f"p99 {result['p99_ms']:.2f} ms, errors {result['errors']}, "
-          f"server CPU {result['server_cpu_pct']}%, client CPU {result['client_cpu_pct']}%")
+    if result["other_cpu_pct"] > 15:
+        print(
+            f"warning: other processes used {result['other_cpu_pct']}% CPU during the measured window; "
+            "the numbers are not from a quiet machine",
+            file=sys.stderr,
+        )
+    print(
+        f"{result['workers']} workers, {result['connections']} conns, {result['mode']}, {args.client}: "
+        f"{result['heartbeats_per_s']:.0f} beats/s, p50 {result['p50_ms']:.2f} ms, "
+        f"p99 {result['p99_ms']:.2f} ms, errors {result['errors']}, "
+        f"server CPU {result['server_cpu_pct']}%, client CPU {result['client_cpu_pct']}%"
+    )
     print(json.dumps(result))
     return 1 if result["errors"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the server child was already stopped on the way out
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -67,21 +68,27 @@ class GroupCommitWriter:
         return items, stop
 
     def _run(self) -> None:
+        next_flush = time.monotonic() + self._interval
         while True:
             try:
-                first = self._queue.get(timeout=self._interval)
+                first = self._queue.get(timeout=max(0.0, next_flush - time.monotonic()))
             except queue.Empty:
                 first = None
             items, stop = self._drain(first)
-            self._commit(items)
+            # Hot rows go out on the timer only. Taking them with every event commit would, under load,
+            # rewrite about one row per heartbeat and keep this thread (and the GIL) busy.
+            flush = stop or time.monotonic() >= next_flush
+            if flush:
+                next_flush = time.monotonic() + self._interval
+            self._commit(items, flush_dirty=flush)
             if stop:
                 # Anything submitted after close() began still gets written.
                 leftover, _ = self._drain(None)
-                self._commit(leftover)
+                self._commit(leftover, flush_dirty=True)
                 return
 
-    def _commit(self, items: list[tuple[WriteBatch, Future[list[int]]]]) -> None:
-        dirty = self._take_dirty()
+    def _commit(self, items: list[tuple[WriteBatch, Future[list[int]]]], flush_dirty: bool) -> None:
+        dirty = self._take_dirty() if flush_dirty else []
         if not items and not dirty:
             return
         # One row per worker, the newest state winning: a request's own row (not yet applied to the
