@@ -24,6 +24,7 @@ check: setup
 
 bench: setup
 	$(BIN)/python benchmarks/ingest.py
+	$(BIN)/python benchmarks/probe_overhead.py
 
 serve: setup
 	$(BIN)/dsec serve --cluster examples/cluster.yaml
