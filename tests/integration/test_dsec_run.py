@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from conftest import Harness, wait_for
+from dsec.control.server import free_port
 
 DSEC = Path(sys.executable).with_name("dsec")
 
@@ -103,3 +104,46 @@ def test_plain_script_with_attach_twice_registers_once(server: Harness, tmp_path
     w = workers[0]
     assert w["role"] == "actor" and w["state"] == "deregistered"
     assert w["metrics"]["episodes_total"] == 5
+
+
+def test_torchrun_workers_register_and_the_agent_does_not(server: Harness) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(DSEC),
+        "run",
+        "--endpoint",
+        server.url,
+        "--sandbox-id",
+        "pool-a",
+        "--token",
+        server.pool_tokens["pool-a"],
+        "--role",
+        "learner",
+        "--",
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(repo / "examples" / "ppo_cartpole_ddp.py"),
+        "--total-steps",
+        "4096",
+        "--target-return",
+        "1e9",
+        "--log-every",
+        "0",
+    ]
+    proc = subprocess.run(
+        cmd,
+        env=_env(GLOO_SOCKET_IFNAME="lo", DSEC_HEARTBEAT_INTERVAL="0.5"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    workers = server.admin.workers(pool="pool-a")
+    assert sorted(w["rank"] for w in workers) == [0, 1], "two ranks, no launcher process"
+    for w in workers:
+        assert w["role"] == "learner" and w["metrics"]["sync_ops_total"] > 0 and w["metrics"]["episodes_total"] > 0
