@@ -271,7 +271,9 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             "0",
         ]
         procs.append(_spawn("learners", "learner", ppo, env, home))
-        procs.append(_spawn("actor", "actor", [sys.executable, "-m", "dsec.demo.workload", str(duration_s)], env, home))
+        # The actor outlives the learners: the demo kills it (the liveness scene), whatever the machine's speed.
+        actor_s = str(duration_s + 120)
+        procs.append(_spawn("actor", "actor", [sys.executable, "-m", "dsec.demo.workload", actor_s], env, home))
         console.print(
             f"started `dsec run -- python examples/ppo_cartpole_ddp.py --world-size {workers}` (PPO, DDP over gloo, "
             f"no dsec import) and one actor process; the probe reports every {HEARTBEAT_S} s"
