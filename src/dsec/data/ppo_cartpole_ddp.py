@@ -28,6 +28,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -107,6 +108,39 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _let_comm_threads_settle(min_s: float = 0.05, max_s: float = 1.0) -> None:
+    """Leave the GIL free until gloo's worker threads have gone idle.
+
+    A gloo worker thread frees each finished collective itself, and freeing a tensor that has a
+    Python object takes the GIL (torch >= 2.10). If that happens after interpreter shutdown has
+    begun, the thread is killed inside a C++ destructor and the process aborts with "terminate
+    called without an active exception" (SIGABRT) — barrier() and destroy_process_group() do not
+    prevent it (with DDP the gloo group even outlives destroy_process_group()). It takes a worker
+    thread delayed past the final barrier, i.e. a busy machine. Sleeping here hands such a thread
+    the GIL; on Linux we also wait (up to ``max_s``) while another thread of ours is runnable.
+    """
+    time.sleep(min_s)
+    task_dir = "/proc/self/task"
+    if not os.path.isdir(task_dir):
+        return
+    me = str(threading.get_native_id())
+    deadline = time.monotonic() + max_s - min_s
+    while time.monotonic() < deadline:
+        busy = False
+        for tid in os.listdir(task_dir):
+            if tid == me:
+                continue
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                continue
+            busy = busy or state in ("R", "D")
+        if not busy:
+            return
+        time.sleep(0.01)
 
 
 def _log(rank: int, msg: str) -> None:
@@ -271,6 +305,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
     dist.barrier()
     if own_group:
         dist.destroy_process_group()
+    _let_comm_threads_settle()
     return result
 
 
