@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=20, help="finished episodes (all ranks together) averaged")
     p.add_argument("--total-steps", type=int, default=500_000, help="env steps over all ranks")
     p.add_argument("--max-seconds", type=float, default=600.0)
-    p.add_argument("--short", action="store_true", help="smoke run: --total-steps 20000, no target stop")
+    p.add_argument("--short", action="store_true", help="smoke run: caps --total-steps at 20000")
     p.add_argument("--num-envs", type=int, default=4, help="envs per rank")
     p.add_argument("--num-steps", type=int, default=128, help="rollout length per env")
     p.add_argument("--num-minibatches", type=int, default=4, help="minibatches per epoch (per rank)")
@@ -99,8 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=10, help="updates between progress lines (0 = none)")
     args = p.parse_args(argv)
     if args.short:
-        args.total_steps = 20_000
-        args.target_return = math.inf
+        args.total_steps = min(args.total_steps, 20_000)
     return args
 
 
@@ -116,7 +115,7 @@ def _let_comm_threads_settle(min_s: float = 0.05, max_s: float = 1.0) -> None:
     A gloo worker thread frees each finished collective itself, and freeing a tensor that has a
     Python object takes the GIL (torch >= 2.10). If that happens after interpreter shutdown has
     begun, the thread is killed inside a C++ destructor and the process aborts with "terminate
-    called without an active exception" (SIGABRT) — barrier() and destroy_process_group() do not
+    called without an active exception" (SIGABRT); barrier() and destroy_process_group() do not
     prevent it (with DDP the gloo group even outlives destroy_process_group()). It takes a worker
     thread delayed past the final barrier, i.e. a busy machine. Sleeping here hands such a thread
     the GIL; on Linux we also wait (up to ``max_s``) while another thread of ours is runnable.
@@ -157,7 +156,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
     torch.set_num_threads(1)
     own_group = not dist.is_initialized()
     if own_group:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -166,12 +166,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
     t_start = time.perf_counter()
     seed = args.seed * 1000 + rank
     np.random.seed(seed)
-    torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)  # minibatch shuffling
-
     torch.manual_seed(args.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     agent = make_agent()
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # per-rank action sampling
     ddp_model = DistributedDataParallel(agent)
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=args.lr, eps=1e-5)
 
@@ -279,8 +277,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
         dist.all_reduce(stats)
         count = int(stats[1])
         avg_return = float(stats[0] / count) if count else float("nan")
-        window_full = count >= min(args.window, per_rank_window * world_size)
-        reached = window_full and avg_return >= args.target_return
+        reached = count >= args.window and avg_return >= args.target_return
         if args.log_every and (updates % args.log_every == 0 or reached):
             _log(
                 rank,
