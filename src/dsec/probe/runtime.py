@@ -172,6 +172,10 @@ class Probe:
     def close(self) -> None:
         if self._reporter is not None:
             self._reporter.close()
+        if "distributed" in self.activities:
+            from dsec.probe.settle import let_threads_settle
+
+            let_threads_settle()
 
     # The reporter's metric API, for code that reports extra numbers through the probe.
     def observe(self, name: str, value: float) -> None:
