@@ -166,16 +166,7 @@ class ControlPlane:
         now = self.clock()
         worker_id = f"w-{uuid.uuid4().hex[:12]}"
         worker_token = auth.new_token(auth.WORKER_PREFIX)
-        info = WorkerInfo(
-            pool=req.pool,
-            role=req.role,
-            group=req.group,
-            rank=req.rank,
-            host=req.host,
-            pid=req.pid,
-            device=req.device,
-            heartbeat_interval_s=req.heartbeat_interval_s,
-        )
+        info = WorkerInfo(**dict(req))  # the wire schema and the domain type share their field names
         directive = self.state.directive_for_new_worker(worker_id, pool, now)
         w = LiveWorker(
             id=worker_id,
