@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from dsec.control import auth, errors
@@ -255,17 +256,14 @@ class ControlPlane:
             )
         if events:
             # Durable before acknowledged: write the beat's row and its events in one transaction.
-            row = w.row()
-            row = type(row)(
-                **{
-                    **row.__dict__,
-                    "last_seq": req.seq,
-                    "last_beat_at": now,
-                    "state": WorkerState.ACTIVE.value,
-                    "beats": w.beats + 1,
-                    "acked_version": max(w.acked_version, req.acked_directive_version),
-                    "metrics": metrics,
-                }
+            row = replace(
+                w.row(),
+                last_seq=req.seq,
+                last_beat_at=now,
+                state=WorkerState.ACTIVE.value,
+                beats=w.beats + 1,
+                acked_version=max(w.acked_version, req.acked_directive_version),
+                metrics=metrics,
             )
             await self._commit(WriteBatch(workers=[row], events=events))
             self._observe_events(events)
@@ -298,8 +296,7 @@ class ControlPlane:
         if w.state is WorkerState.DEREGISTERED:
             return w.to_api()
         now = self.clock()
-        row = w.row()
-        row = type(row)(**{**row.__dict__, "state": WorkerState.DEREGISTERED.value})
+        row = replace(w.row(), state=WorkerState.DEREGISTERED.value)
         ev = Event(ts=now, type=EventType.DEREGISTERED, worker_id=w.id, pool=w.pool, data={"reason": reason})
         await self._commit(WriteBatch(workers=[row], events=[ev]))
         w.state = WorkerState.DEREGISTERED
@@ -404,8 +401,7 @@ class ControlPlane:
                     data={"silent_s": round(now - w.last_beat_at, 3), "missed_beats": self.settings.lost_after_beats},
                 )
             )
-            row = w.row()
-            rows.append(type(row)(**{**row.__dict__, "state": WorkerState.LOST.value}))
+            rows.append(replace(w.row(), state=WorkerState.LOST.value))
         await self._commit(WriteBatch(workers=rows, events=events))
         for wid in lost:
             w = self.state.workers[wid]
