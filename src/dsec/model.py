@@ -57,8 +57,10 @@ class EventType(str, enum.Enum):
     REJOINED = "rejoined"
     DIRECTIVE_SET = "directive_set"
     DIRECTIVE_ACKED = "directive_acked"
-    MELTDOWN = "meltdown"
-    RECOVERED = "recovered"
+    MELTDOWN = "meltdown"  # a worker's breaker opened (entry into degradation)
+    RECOVERED = "recovered"  # a worker's breaker closed again, or a precision fallback was undone
+    BREAKER = "breaker"  # any other breaker transition (escalate, step down, ack)
+    QUOTA = "quota"  # an elastic memory quota changed
     SNAPSHOT = "snapshot"
     RESTORE = "restore"
     POLICY_ACTION = "policy_action"
@@ -211,6 +213,9 @@ class DirectiveFields:
     snapshot_now: str | None = None  # request id; a new id asks for one more snapshot
     sync_priority: int = 0
     target_device: str | None = None
+    # Per-worker breaker caps; None: the pool's thresholds apply.
+    bandwidth_cap_mbps: float | None = None
+    latency_cap_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -237,6 +242,18 @@ class DirectiveFields:
             value = getattr(self, name)
             if value is not None:
                 _finite_nonneg(name, value, MAX_MEMORY_GB)
+        for name in ("bandwidth_cap_mbps", "latency_cap_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                    and 0 < value <= 1e7,
+                    name,
+                    value,
+                    "a finite number in (0, 1e7], or null for the pool's threshold",
+                )
         if self.snapshot_interval_s is not None:
             _check(
                 math.isfinite(self.snapshot_interval_s) and 1 <= self.snapshot_interval_s <= 86400,

@@ -133,7 +133,7 @@ def worker_routes() -> APIRouter:
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
         ws = [
-            w.to_api()
+            cp.worker_api(w)
             for w in cp.state.workers.values()
             if (pool is None or w.pool == pool) and (state is None or w.state is state)
         ]
@@ -144,7 +144,7 @@ def worker_routes() -> APIRouter:
     async def get_worker(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
-        return JSON(cp.worker_for(worker_id, bearer(authorization)).to_api())
+        return JSON(cp.worker_api(cp.worker_for(worker_id, bearer(authorization))))
 
     @r.get("/{worker_id}/directive")
     async def get_directive(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:

@@ -141,7 +141,7 @@ class HeartbeatRequest(Strict):
 
 class DirectivePatch(Strict):
     """Fields to change; omitted fields keep their value. Null clears an optional field (memory quota and
-    ceiling, snapshot interval and request, target device); the others cannot be null."""
+    ceiling, snapshot interval and request, target device, per-worker caps); the others cannot be null."""
 
     NOT_NULL: ClassVar[tuple[str, ...]] = (
         "compression_bits",
@@ -161,6 +161,9 @@ class DirectivePatch(Strict):
     snapshot_now: str | None = Field(None, max_length=128)
     sync_priority: int | None = Field(None, ge=-10, le=10)
     target_device: Name | None = None
+    # Per-worker breaker caps; null returns the worker to its pool's thresholds.
+    bandwidth_cap_mbps: float | None = Field(None, gt=0, le=1e7)
+    latency_cap_ms: float | None = Field(None, gt=0, le=1e7)
 
     @field_validator(*NOT_NULL, mode="before")
     @classmethod

@@ -12,11 +12,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from dsec.alerts import AlertRouter, LogSink, Sink, WebhookSink
 from dsec.control import auth, errors
+from dsec.control.judge import Judge, Verdict
 from dsec.control.liveness import Beat, overdue
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.settings import Settings
@@ -43,7 +45,9 @@ Clock = Callable[[], float]
 class ControlPlane:
     """Owns the hot state, the store and the writer. ``close()`` flushes and stops the writer."""
 
-    def __init__(self, settings: Settings, store: Store, clock: Clock = time.time) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, clock: Clock = time.time, alert_sinks: Iterable[Sink] = ()
+    ) -> None:
         self.settings = settings
         self.store = store
         self.clock = clock
@@ -55,6 +59,18 @@ class ControlPlane:
         self.writer = GroupCommitWriter(
             store, self.state.take_dirty, self.state.mark_dirty, flush_interval_s=settings.flush_interval_s
         )
+        sinks: list[Sink] = list(alert_sinks)
+        if settings.alert_log:
+            sinks.append(LogSink())
+        sinks += [WebhookSink(url, secret) for url, secret in settings.alert_webhooks]
+        self.alerts = AlertRouter(
+            sinks,
+            group_wait_s=settings.alert_group_wait_s,
+            group_interval_s=settings.alert_group_interval_s,
+            repeat_interval_s=settings.alert_repeat_interval_s,
+        )
+        self.judge = Judge(self.state, settings.judge, self.alerts)
+        self.judge.resume_levels = self._breaker_levels()
 
     # -- startup -----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -81,11 +97,22 @@ class ControlPlane:
         for ev in self._iter_events(EventType.MELTDOWN):
             if ev.pool:
                 st.meltdowns[ev.pool] += 1
+            if ev.worker_id:
+                st.worker_meltdowns[ev.worker_id] += 1
 
-    def _iter_events(self, etype: EventType) -> Iterable[Event]:
+    def _breaker_levels(self) -> dict[str, int]:
+        """Each worker's breaker level after its last recorded transition (events are in id order)."""
+        levels: dict[str, int] = {}
+        for ev in self._iter_events(EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
+            level = ev.data.get("level_to")
+            if ev.worker_id and ev.data.get("kind") == "breaker" and isinstance(level, int):
+                levels[ev.worker_id] = level
+        return {w: lvl for w, lvl in levels.items() if lvl > 0}
+
+    def _iter_events(self, *etypes: EventType) -> Iterable[Event]:
         after = 0
         while True:
-            page = self.store.query_events(EventQuery(types=(etype,), after_id=after, limit=1000))
+            page = self.store.query_events(EventQuery(types=etypes, after_id=after, limit=1000))
             yield from page
             if len(page) < 1000:
                 return
@@ -96,6 +123,7 @@ class ControlPlane:
 
     def close(self) -> None:
         self.writer.close()
+        self.alerts.close()
 
     # -- writes that must be durable first -----------------------------------------------------
     async def _commit(self, batch: WriteBatch) -> list[int]:
@@ -113,6 +141,8 @@ class ControlPlane:
         for ev in events:
             if ev.type is EventType.MELTDOWN and ev.pool:
                 self.state.meltdowns[ev.pool] += 1
+            elif ev.type is EventType.ALERT:
+                self.judge.route(ev)
             elif ev.type is EventType.RESTORE and ev.pool:
                 restore_s = ev.data.get("restore_s")
                 if isinstance(restore_s, (int, float)):
@@ -254,8 +284,16 @@ class ControlPlane:
                     data={"version": req.acked_directive_version},
                 )
             )
+        acked = max(w.acked_version, req.acked_directive_version)
+        worker_events = events[: len(req.events)]
+        verdict, saved = self.judge.on_beat(w, req.metrics, worker_events, acked, now)
+        directive = self._directive_from(w, verdict, now)
+        if directive is not None:
+            events.append(self._directive_event(w, directive, verdict.patch, "+".join(verdict.actors), now))
+        events += verdict.events
         if events:
-            # Durable before acknowledged: write the beat's row and its events in one transaction.
+            # Durable before acknowledged: write the beat's row, its events and any directive the
+            # judgment made in one transaction.
             row = replace(
                 w.row(),
                 last_seq=req.seq,
@@ -265,8 +303,17 @@ class ControlPlane:
                 acked_version=max(w.acked_version, req.acked_directive_version),
                 metrics=metrics,
             )
-            await self._commit(WriteBatch(workers=[row], events=events))
+            try:
+                await self._commit(
+                    WriteBatch(workers=[row], events=events, directives=[directive] if directive else [])
+                )
+            except BaseException:
+                self.judge.restore(w, saved)
+                raise
             self._observe_events(events)
+            if directive is not None:
+                w.directive = directive
+                self.judge.issued(w, verdict, directive.version, now)
         w.last_seq = req.seq
         w.last_beat_at = now
         w.beats += 1
@@ -286,7 +333,34 @@ class ControlPlane:
             "duplicate": duplicate,
             "server_time": now,
             "directive": w.directive.to_dict() if req.acked_directive_version != w.directive.version else None,
+            # The cap the worker's syncs are counted against (dsec_gradient_sync_success_rate).
+            "latency_cap_ms": self.judge.caps_for(w).latency_ms,
         }
+
+    def _directive_from(self, w: LiveWorker, verdict: Verdict, now: float) -> Directive | None:
+        """The next directive version carrying a judgment's patch; None when it changes nothing."""
+        if not verdict.patch:
+            return None
+        try:
+            fields = w.directive.fields.merged(verdict.patch)
+        except ModelError:
+            log.exception("judgment produced an invalid directive for %s: %s", w.id, verdict.patch)
+            return None
+        if fields == w.directive.fields:
+            # Nothing to change, but a breaker waiting for an ack of an identical directive is satisfied
+            # by the version already in force.
+            return Directive(w.id, w.directive.version + 1, fields, now) if verdict.breaker_issued else None
+        return Directive(worker_id=w.id, version=w.directive.version + 1, fields=fields, updated_at=now)
+
+    @staticmethod
+    def _directive_event(w: LiveWorker, d: Directive, patch: Mapping[str, Any], actor: str, now: float) -> Event:
+        return Event(
+            ts=now,
+            type=EventType.DIRECTIVE_SET,
+            worker_id=w.id,
+            pool=w.pool,
+            data={"version": d.version, "changes": dict(patch), "by": actor},
+        )
 
     async def deregister(self, w: LiveWorker, reason: str) -> dict[str, Any]:
         async with w.lock:
@@ -302,12 +376,16 @@ class ControlPlane:
         w.state = WorkerState.DEREGISTERED
         return w.to_api()
 
-    async def set_directive(self, w: LiveWorker, patch: Mapping[str, Any], actor: str) -> Directive:
+    async def set_directive(
+        self, w: LiveWorker, patch: Mapping[str, Any], actor: str, extra_events: Sequence[Event] = ()
+    ) -> Directive:
         # Serialised per worker: two concurrent patches must yield two versions, not one lost update.
         async with w.lock:
-            return await self._set_directive(w, patch, actor)
+            return await self._set_directive(w, patch, actor, extra_events)
 
-    async def _set_directive(self, w: LiveWorker, patch: Mapping[str, Any], actor: str) -> Directive:
+    async def _set_directive(
+        self, w: LiveWorker, patch: Mapping[str, Any], actor: str, extra_events: Sequence[Event] = ()
+    ) -> Directive:
         if w.state is WorkerState.DEREGISTERED:
             raise errors.conflict(f"worker_id {w.id!r} has deregistered; directives no longer apply", "worker_id")
         try:
@@ -316,14 +394,9 @@ class ControlPlane:
             raise errors.ApiError(422, "invalid", str(exc), str(exc).split("=", 1)[0].split(" ")[0]) from exc
         now = self.clock()
         new = Directive(worker_id=w.id, version=w.directive.version + 1, fields=fields, updated_at=now)
-        ev = Event(
-            ts=now,
-            type=EventType.DIRECTIVE_SET,
-            worker_id=w.id,
-            pool=w.pool,
-            data={"version": new.version, "changes": dict(patch), "by": actor},
-        )
-        await self._commit(WriteBatch(directives=[new], events=[ev]))
+        ev = self._directive_event(w, new, patch, actor, now)
+        await self._commit(WriteBatch(directives=[new], events=[ev, *extra_events]))
+        self._observe_events(extra_events)
         w.directive = new
         return new
 
@@ -383,7 +456,27 @@ class ControlPlane:
 
     # -- reconcile -----------------------------------------------------------------------------
     async def reconcile(self) -> list[str]:
-        """One pass of the control loop: mark overdue workers lost (durably, with an event)."""
+        """One pass of the control loop: mark overdue workers lost (durably, with an event), then the
+        periodic judgments (fleet comparison, elastic quotas, precision restores)."""
+        lost = await self._mark_lost()
+        await self._judge_periodic()
+        return lost
+
+    async def _judge_periodic(self) -> None:
+        now = self.clock()
+        changes, events = self.judge.periodic(now)
+        if events:
+            await self.record_events(events)
+        for c in changes:
+            w = self.state.workers.get(c.worker_id)
+            if w is None or w.state is WorkerState.DEREGISTERED:
+                continue
+            try:
+                await self.set_directive(w, c.patch, c.actor, c.events)
+            except errors.ApiError as exc:
+                log.warning("%s could not change %s's directive: %s", c.actor, c.worker_id, exc)
+
+    async def _mark_lost(self) -> list[str]:
         now = self.clock()
         beats = [Beat(w.id, w.state, w.last_beat_at, w.info.heartbeat_interval_s) for w in self.state.workers.values()]
         lost = overdue(beats, now, self.settings.lost_after_beats)
@@ -423,6 +516,8 @@ class ControlPlane:
                         1 for w in ws if w.state is WorkerState.ACTIVE and w.acked_version != w.directive.version
                     ),
                     "meltdowns": self.state.meltdowns.get(p.name, 0),
+                    "memory": mem.to_dict() if (mem := self.judge.pool_memory.get(p.name)) else None,
+                    "sync_slowdown": p.name in self.judge.slow_pools,
                 }
             )
         return {
@@ -431,7 +526,17 @@ class ControlPlane:
             "heartbeats": self.heartbeats,
             "pools": pools,
             "workers": [
-                w.to_api()
+                self.worker_api(w)
                 for w in sorted(self.state.workers.values(), key=lambda w: (w.pool, w.info.group, w.info.rank, w.id))
             ],
+        }
+
+    def worker_api(self, w: LiveWorker) -> dict[str, Any]:
+        """A worker as the API shows it: its row, directive, and what the judgment thinks of it."""
+        return {
+            **w.to_api(),
+            "breaker": self.judge.breaker_state(w, self.clock()),
+            "meltdowns": self.state.worker_meltdowns.get(w.id, 0),
+            "fleet_outlier": sorted(self.judge.flags.get(w.id, ())),
+            "caps": self.judge.caps_for(w).limits(),
         }

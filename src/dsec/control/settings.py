@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsec.control.judge import JudgeConfig
 
 
 def default_home() -> Path:
@@ -31,6 +35,14 @@ class Settings:
     max_body_bytes: int = 1 << 20
     # Answer heartbeats in a raw ASGI shortcut before FastAPI routing (same handler; see ingest.py).
     heartbeat_shortcut: bool = True
+    # Health judgment (breaker, fleet, quotas, precision); None: the defaults of JudgeConfig.
+    judge: JudgeConfig | None = None
+    # Alert sinks: a structured log line per notification, plus signed webhooks (url, secret).
+    alert_log: bool = True
+    alert_webhooks: tuple[tuple[str, str], ...] = ()
+    alert_group_wait_s: float = 1.0
+    alert_group_interval_s: float = 5.0
+    alert_repeat_interval_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:

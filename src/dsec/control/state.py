@@ -125,6 +125,7 @@ class HotState:
     worker_token_hashes: dict[str, str] = field(default_factory=dict)  # hash -> worker id
     # Observed from events, per pool: what the four headline gauges are computed from.
     meltdowns: Counter[str] = field(default_factory=Counter)
+    worker_meltdowns: Counter[str] = field(default_factory=Counter)
     last_recovery_s: dict[str, float] = field(default_factory=dict)
     _dirty: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -48,6 +48,9 @@ class GroupCommitWriter:
 
     def submit(self, batch: WriteBatch) -> Future[list[int]]:
         fut: Future[list[int]] = Future()
+        # Running from the start: a caller that stops waiting (a cancelled request or reconcile pass)
+        # cannot cancel a write that will happen anyway, so the writer can always settle the future.
+        fut.set_running_or_notify_cancel()
         self._queue.put((batch, fut))
         return fut
 

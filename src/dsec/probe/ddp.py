@@ -22,17 +22,29 @@ and carries out two directive fields:
 Agreement without extra collectives: the last bucket of every synchronized step carries a small header
 with every rank's *desired* (bits, accum) — one-hot slots summed by the all_reduce, or a prefix of each
 rank's chunk. All ranks see the same headers, so at the next cycle start they switch together.
+
+Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
+includes waiting for the slowest one and raw latency cannot name the straggler. The header therefore
+also carries each rank's *arrival stamp* (wall clock when it entered the last bucket's collective).
+From the stamps every rank computes its ``lag`` (how long after the earliest peer it arrived) and its
+``cost`` = lag + the part of its latency not spent waiting for later peers — the time the group lost
+because of this rank. A straggler's cost is its lateness; its punctual peers' cost is the bare
+collective time. Stamps use the wall clock: exact on one host, as good as clock sync across hosts.
+In the float slots of the all_reduce path the stamp is milliseconds modulo a period the dtype holds
+exactly (2**20 ms for float32, 2048 ms for float16) and differences are taken on the circle.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from dsec import quant
 from dsec.probe.actuators import Actuators
+from dsec.probe.chaos import Chaos
 from dsec.probe.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -40,7 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HEADER_BYTES = 8  # int32 desired bits, int32 desired accum
+HEADER_BYTES = 16  # int32 desired bits, int32 desired accum, float64 arrival stamp (s, wall clock)
+HEADER_SLOTS = 3  # per rank in the all_reduce path: bits, accum, arrival stamp (ms modulo STAMP_PERIOD_MS)
+STAMP_PERIOD_MS = {32: float(2**20), 16: 2048.0}
 FP16_MAX = 65504.0
 
 
@@ -65,6 +79,7 @@ class SyncCoordinator:
         collectives: Any = None,
         block: int = quant.DEFAULT_BLOCK,
         error_feedback: bool = True,
+        chaos: Chaos | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -78,6 +93,7 @@ class SyncCoordinator:
         self.telemetry = telemetry
         self.block = block
         self.error_feedback = error_feedback
+        self.chaos = chaos
         default = actuators.default_bits
         self.peer_bits = [default] * self.world  # agreed: identical on every rank
         self.accum = 1
@@ -117,11 +133,20 @@ class SyncCoordinator:
             self._cycle_pos = 0 if self._sync_now else self._cycle_pos + 1
             self.steps += 1
         buf = bucket.buffer()
+        if self.chaos is not None:
+            factor = self.chaos.grad_factor()
+            if factor != 1.0:
+                buf.mul_(factor)  # injected gradient spike on this rank
         if not self._sync_now:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buf)
             return fut
         params = tuple(id(p) for p in bucket.parameters())
+        if last and self.chaos is not None:
+            # Injected lateness: this rank reaches the step's last collective late (a slow rank).
+            delay = self.chaos.sync_delay_s(self.rank)
+            if delay > 0:
+                time.sleep(delay)
         start = time.perf_counter()
         bits = self.peer_bits
         if all(b == 32 for b in bits) or all(b == 16 for b in bits):
@@ -129,13 +154,27 @@ class SyncCoordinator:
         return self._exchange(buf, params, last, start)
 
     # -- paths ----------------------------------------------------------------------------------------
-    def _header_onehot(self, dtype: torch.dtype) -> torch.Tensor:
+    def _header_onehot(self, dtype: torch.dtype, period_ms: float) -> tuple[torch.Tensor, float]:
         import torch
 
-        h = torch.zeros(2 * self.world, dtype=dtype)
-        h[2 * self.rank] = self._my_desired[0]
-        h[2 * self.rank + 1] = self._my_desired[1]
-        return h
+        entered = time.time()
+        h = torch.zeros(HEADER_SLOTS * self.world, dtype=dtype)
+        h[HEADER_SLOTS * self.rank] = self._my_desired[0]
+        h[HEADER_SLOTS * self.rank + 1] = self._my_desired[1]
+        h[HEADER_SLOTS * self.rank + 2] = math.floor(entered * 1000.0) % period_ms
+        return h, entered
+
+    def _record_arrivals(self, stamps: list[float], period_ms: float | None, latency_s: float) -> None:
+        """Lag and cost of this rank from every rank's arrival stamp (seconds, or ms on a circle)."""
+        mine = stamps[self.rank]
+        if period_ms is None:
+            deltas = [s - mine for s in stamps]
+        else:
+            half = period_ms / 2
+            deltas = [(((s - mine + half) % period_ms) - half) / 1000.0 for s in stamps]
+        lag = -min(deltas)  # how long after the earliest peer this rank arrived
+        wait = max(deltas)  # how long it then waited for the latest one
+        self.telemetry.record_arrival(lag, max(0.0, latency_s - wait) + lag)
 
     def _all_reduce(self, buf: torch.Tensor, bits: int, last: bool, start: float) -> torch.futures.Future[torch.Tensor]:
         import torch
@@ -144,8 +183,10 @@ class SyncCoordinator:
         send = buf.mul(scale)
         if bits == 16:
             send = send.clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
+        period = STAMP_PERIOD_MS[bits]
         if last:
-            send = torch.cat((send, self._header_onehot(send.dtype)))
+            header, _ = self._header_onehot(send.dtype, period)
+            send = torch.cat((send, header))
         nbytes = send.numel() * send.element_size()
         work = self._c.all_reduce(send, group=self.pg, async_op=True)
         n = buf.numel()
@@ -156,9 +197,11 @@ class SyncCoordinator:
             except Exception:
                 self.telemetry.record_sync(nbytes, time.perf_counter() - start, False)
                 raise
+            latency = time.perf_counter() - start
             if last:
-                header = send[n:].to(torch.int64).view(self.world, 2).tolist()
-                self._seen = [(int(b), int(a)) for b, a in header]
+                header = send[n:].to(torch.float64).view(self.world, HEADER_SLOTS).tolist()
+                self._seen = [(int(b), int(a)) for b, a, _ in header]
+                self._record_arrivals([t for _, _, t in header], period, latency)
             buf.copy_(send[:n])
             self._finish(buf, last, nbytes, start)
             return buf
@@ -189,7 +232,8 @@ class SyncCoordinator:
         if use_ef and decoded is not None:
             self._residual[params] = x - decoded
         header = torch.tensor(list(self._my_desired), dtype=torch.int32).view(torch.uint8)
-        return torch.cat((header, payload.reshape(-1)))
+        stamp = torch.tensor([time.time()], dtype=torch.float64).view(torch.uint8)
+        return torch.cat((header, stamp, payload.reshape(-1)))
 
     def _decode(self, chunk: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
         import torch
@@ -239,13 +283,16 @@ class SyncCoordinator:
                 raise
             parts = chunks()
             total = torch.zeros(n, dtype=torch.float32)
-            headers = []
+            latency = time.perf_counter() - start
+            headers, stamps = [], []
             for r, part in enumerate(parts):
                 total += self._decode(part, n, bits[r])
-                b, a = part[:HEADER_BYTES].clone().view(torch.int32).tolist()
+                b, a = part[:8].clone().view(torch.int32).tolist()
                 headers.append((int(b), int(a)))
+                stamps.append(float(part[8:HEADER_BYTES].clone().view(torch.float64).item()))
             if last:
                 self._seen = headers
+                self._record_arrivals(stamps, None, latency)
             buf.copy_(total.div_(self.world * self.accum))
             self._finish(buf, last, nbytes, start)
             return buf

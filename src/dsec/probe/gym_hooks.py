@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 _inside_make_vec = threading.local()
 
 
-def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> bool:
+def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> str | None:
+    """The first configured key marking this episode as interrupted (the reason), or None."""
     if not isinstance(info, dict):
-        return False
+        return None
     for key in keys:
         value = info.get(key)
         if value is None:
@@ -41,10 +42,10 @@ def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> bo
                 continue
         try:
             if bool(value):
-                return True
+                return key
         except (TypeError, ValueError):
             continue
-    return False
+    return None
 
 
 class GymInstrumentation:
@@ -77,10 +78,11 @@ class GymInstrumentation:
                 self._len += 1
                 probe.telemetry.record_env_steps(1)
                 if terminated or truncated:
+                    reason = probe.interrupt_reason(_interrupted(info, keys))
                     probe.telemetry.record_episode(
-                        self._ret, self._len, bool(terminated), bool(truncated), _interrupted(info, keys)
+                        self._ret, self._len, bool(terminated), bool(truncated), reason is not None
                     )
-                    probe.after_episode()
+                    probe.after_episode(reason)
                     self._ret, self._len = 0.0, 0
                 return obs, reward, terminated, truncated, info
 
@@ -116,16 +118,17 @@ class GymInstrumentation:
                     self._ret[i] += float(rewards[i])
                     self._len[i] += 1
                     if terminated[i] or truncated[i]:
+                        reason = probe.interrupt_reason(_interrupted(info, keys, i))
                         probe.telemetry.record_episode(
                             self._ret[i],
                             self._len[i],
                             bool(terminated[i]),
                             bool(truncated[i]),
-                            _interrupted(info, keys, i),
+                            reason is not None,
                         )
                         self._ret[i], self._len[i] = 0.0, 0
                         self._resetting[i] = self._next_step
-                        probe.after_episode()
+                        probe.after_episode(reason)
                 probe.telemetry.record_env_steps(stepped)
                 return obs, rewards, terminated, truncated, info
 

@@ -102,6 +102,7 @@ class Reporter:
         self._worker_token: str | None = None
         self._seq = 0
         self.directive: dict[str, Any] | None = None  # last directive received (fail-static)
+        self.latency_cap_ms: float | None = None  # what the control plane counts this worker's syncs against
         self.applied_version = 0
         self.beats_ok = 0
         self.beats_failed = 0
@@ -288,6 +289,9 @@ class Reporter:
         self._pending = None
         self.beats_ok += 1
         self.last_error = None
+        cap = answer.get("latency_cap_ms")
+        if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0:
+            self.latency_cap_ms = float(cap)
         self._apply(answer.get("directive"))
 
     def _apply(self, directive: Mapping[str, Any] | None) -> None:

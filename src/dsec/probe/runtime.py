@@ -18,6 +18,7 @@ from typing import Any
 
 from dsec.probe import importhook
 from dsec.probe.actuators import Actuators
+from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
 from dsec.probe.reporter import Reporter
 from dsec.probe.telemetry import Telemetry
@@ -56,6 +57,11 @@ class Probe:
         self._last_anomaly: dict[str, float] = {}
         self._pending_events: list[tuple[str, dict[str, Any]]] = []
         self.activities: set[str] = set()
+        self.chaos: Chaos | None = None
+        try:
+            self.chaos = Chaos.from_env(os.environ.get("DSEC_CHAOS"), rank=lambda: self._rank)
+        except ChaosError as exc:
+            log.error("dsec: fault injection disabled: %s", exc)
 
     # -- instrumentation ------------------------------------------------------------------------------
     def install(self) -> None:
@@ -134,6 +140,11 @@ class Probe:
             self._reporter.beat_now()  # let the control plane know promptly
 
     def _collect(self) -> dict[str, float]:
+        if self.chaos is not None:
+            self.chaos.poll(lambda data: self.event("log", urgent=True, **data))
+        rep = self._reporter
+        if rep is not None and rep.latency_cap_ms is not None:
+            self.telemetry.latency_cap_s = rep.latency_cap_ms / 1000.0
         out = self.telemetry.collect()
         out.update(self.actuators.state())
         out.update(_memory_metrics())
@@ -155,10 +166,18 @@ class Probe:
         self._last_anomaly[kind] = now
         self.event("anomaly", urgent=True, kind=kind, **data)
 
-    def after_episode(self) -> None:
+    def interrupt_reason(self, observed: str | None) -> str | None:
+        """Why the episode that just ended counts as interrupted (an info key, or injected), or None."""
+        if observed is None and self.chaos is not None:
+            return self.chaos.interrupt_reason()
+        return observed
+
+    def after_episode(self, reason: str | None = None) -> None:
+        # Every N-th consecutive interrupted episode is reported at once; the control plane decides
+        # what to do about it (stuck-episode detector).
         n = self.telemetry.consecutive_interrupted
-        if n and n % self.config.stuck_episode_threshold == 0:
-            self.event("alert", urgent=True, reason="consecutive_interrupted_episodes", count=n)
+        if reason is not None and n and n % self.config.stuck_episode_threshold == 0:
+            self.event("anomaly", urgent=True, kind="episode_stuck", reason=reason, count=n)
 
     # -- actuator helpers for user code -------------------------------------------------------------------
     def wait_for_sampling(self) -> None:

@@ -32,12 +32,18 @@ class Telemetry:
         self.sync_ops_total = 0
         self.sync_ok_total = 0
         self.sync_errors_total = 0
+        self.sync_slow_total = 0
+        # Syncs slower than this do not count as successful (None: only errors fail). Set from the
+        # control plane's latency cap for this worker.
+        self.latency_cap_s: float | None = None
         self.sync_bytes_total = 0
         self._sync_bytes = 0
         self._sync_count = 0
         self._sync_lat = Percentiles()
         self._sync_recent = Percentiles(max_samples=64)  # for the spike detector's median
         self._sync_median_s: float | None = None
+        self._sync_lag = Percentiles()
+        self._sync_cost = Percentiles()
         self.collective_ops_total = 0
         self.collective_bytes_total = 0
         self._collective_lat = Percentiles()
@@ -67,10 +73,13 @@ class Telemetry:
         spike = False
         with self._lock:
             self.sync_ops_total += 1
-            if ok:
-                self.sync_ok_total += 1
-            else:
+            cap = self.latency_cap_s
+            if not ok:
                 self.sync_errors_total += 1
+            elif cap is not None and latency_s > cap:
+                self.sync_slow_total += 1
+            else:
+                self.sync_ok_total += 1
             self.sync_bytes_total += nbytes
             self._sync_bytes += nbytes
             self._sync_count += 1
@@ -88,6 +97,13 @@ class Telemetry:
                 "sync_latency_spike",
                 {"latency_ms": round(latency_s * 1000, 3), "median_ms": round((median or 0) * 1000, 3)},
             )
+
+    def record_arrival(self, lag_s: float, cost_s: float) -> None:
+        """Per synchronized step: how late this rank arrived vs its earliest peer, and the time the
+        group lost because of this rank (see ddp.py)."""
+        with self._lock:
+            self._sync_lag.add(lag_s)
+            self._sync_cost.add(cost_s)
 
     def record_collective(self, kind: str, nbytes: int, latency_s: float, ok: bool) -> None:
         with self._lock:
@@ -146,6 +162,7 @@ class Telemetry:
                 "sync_ops_total": self.sync_ops_total,
                 "sync_ok_total": self.sync_ok_total,
                 "sync_errors_total": self.sync_errors_total,
+                "sync_slow_total": self.sync_slow_total,
                 "sync_bytes_total": self.sync_bytes_total,
                 "grad_upload_bytes_per_s": self._sync_bytes / dt,
                 "collective_ops_total": self.collective_ops_total,
@@ -164,6 +181,10 @@ class Telemetry:
                 out["bytes_per_sync"] = self._sync_bytes / self._sync_count
             for q, v in self._sync_lat.take().items():
                 out[f"sync_latency_ms_{q}"] = v * 1000
+            for q, v in self._sync_lag.take().items():
+                out[f"sync_lag_ms_{q}"] = v * 1000
+            for q, v in self._sync_cost.take().items():
+                out[f"sync_cost_ms_{q}"] = v * 1000
             for q, v in self._collective_lat.take().items():
                 out[f"collective_latency_ms_{q}"] = v * 1000
             if self._step_count:

@@ -212,6 +212,7 @@ class TorchInstrumentation:
                 collectives=self.originals,
                 block=self.probe.config.block_size,
                 error_feedback=self.probe.config.error_feedback,
+                chaos=self.probe.chaos,
             )
             register(ddp, None, unannotated(coord.hook))
             self.coordinators.append(coord)

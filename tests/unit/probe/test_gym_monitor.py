@@ -97,5 +97,5 @@ def test_interrupted_episodes_raise_a_stuck_alert(probe: Probe) -> None:
     assert probe.telemetry.consecutive_interrupted == 3
     rep = probe.reporter
     assert rep is not None
-    alerts = [e for e in rep._events if e["type"] == "alert"]
-    assert alerts and alerts[0]["data"] == {"reason": "consecutive_interrupted_episodes", "count": 3}
+    alerts = [e for e in rep._events if e["type"] == "anomaly"]
+    assert alerts and alerts[0]["data"] == {"kind": "episode_stuck", "reason": "collision", "count": 3}

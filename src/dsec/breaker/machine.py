@@ -1,0 +1,302 @@
+"""The dual-threshold circuit breaker of one worker: a pure state machine over (telemetry samples, now).
+
+Two caps — gradient-upload bandwidth (MB/s) and gradient-sync latency (ms) — plus the worker's memory
+ceiling. When any of them is exceeded *sustainedly* the worker degrades one level of the ladder (see
+``ladder.py``); it never gets killed. Rules, and why:
+
+* **Evidence, not a sample.** OVERLOAD needs ``min_samples`` samples inside the last ``window_s`` of
+  which at least ``overload_fraction`` exceed a cap. One slow sync is noise (the probe reports sharp
+  spikes separately as anomalies).
+* **Fresh evidence per level.** Each escalation issues a directive and waits for its ack; samples up to
+  and including the beat that carried the ack are discarded, so the next level is justified only by
+  what the worker did *with* the previous level in force. Hence at most one level per acked directive.
+* **Hysteresis.** A sample is *calm* when every signal sits below ``cap * (1 - margin)``. Between
+  that line and the cap a sample is neither calm nor overload: the breaker holds. A constant signal at
+  the threshold therefore never makes it oscillate.
+* **Half-open recovery.** After ``wait_s`` of uninterrupted calm the worker steps down one level and is
+  probed for another ``wait_s``; a relapse while probing doubles ``wait_s`` (bounded by
+  ``max_recovery_s``); reaching level 0 calmly closes the breaker and resets the wait.
+
+States and transitions are the enum ``Phase`` and the table ``TRANSITIONS``; ``decide`` only looks
+rows up. Every transition carries the evidence that caused it, so the control plane can record it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.breaker.ladder import MAX_LEVEL
+
+
+class Phase(str, enum.Enum):
+    CLOSED = "closed"  # level 0, healthy
+    ESCALATING = "escalating"  # a higher level was issued; waiting for its ack
+    OPEN = "open"  # degraded (level >= 1) and in force; watching for more overload or for calm
+    RECOVERING = "recovering"  # a lower level was issued; waiting for its ack
+    HALF_OPEN = "half_open"  # stepped down and in force; probing for relapse
+
+
+class Trigger(str, enum.Enum):
+    OVERLOAD = "overload"
+    CALM = "calm"
+    ACKED = "acked"
+
+
+class Action(str, enum.Enum):
+    NONE = "none"
+    ESCALATE = "escalate"
+    STEP_DOWN = "step_down"
+
+
+# (phase, trigger, at_bound) -> (next phase, action). ``at_bound``: for OVERLOAD, the level is already
+# the top of the ladder; for CALM, the level is already 0. Missing rows mean "ignore the trigger" —
+# e.g. any OVERLOAD or CALM while a directive awaits its ack.
+TRANSITIONS: dict[tuple[Phase, Trigger, bool], tuple[Phase, Action]] = {
+    (Phase.CLOSED, Trigger.OVERLOAD, False): (Phase.ESCALATING, Action.ESCALATE),
+    (Phase.ESCALATING, Trigger.ACKED, False): (Phase.OPEN, Action.NONE),
+    (Phase.ESCALATING, Trigger.ACKED, True): (Phase.OPEN, Action.NONE),
+    (Phase.OPEN, Trigger.OVERLOAD, False): (Phase.ESCALATING, Action.ESCALATE),
+    (Phase.OPEN, Trigger.OVERLOAD, True): (Phase.OPEN, Action.NONE),  # top of the ladder: hold
+    (Phase.OPEN, Trigger.CALM, False): (Phase.RECOVERING, Action.STEP_DOWN),
+    (Phase.RECOVERING, Trigger.ACKED, False): (Phase.HALF_OPEN, Action.NONE),
+    (Phase.RECOVERING, Trigger.ACKED, True): (Phase.HALF_OPEN, Action.NONE),
+    (Phase.HALF_OPEN, Trigger.OVERLOAD, False): (Phase.ESCALATING, Action.ESCALATE),  # relapse
+    (Phase.HALF_OPEN, Trigger.CALM, False): (Phase.RECOVERING, Action.STEP_DOWN),
+    (Phase.HALF_OPEN, Trigger.CALM, True): (Phase.CLOSED, Action.NONE),
+}
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The thresholds one worker runs under (pool defaults, per-worker overrides, policy changes)."""
+
+    bandwidth_mbps: float = 128.0
+    latency_ms: float = 85.0
+    memory_gb: float | None = None  # the worker's memory ceiling; None: not judged
+
+    def limits(self) -> dict[str, float]:
+        out = {"bandwidth_mbps": self.bandwidth_mbps, "latency_ms": self.latency_ms}
+        if self.memory_gb is not None:
+            out["memory_gb"] = self.memory_gb
+        return out
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One beat's worth of the breaker's signals; None: not measured in that interval (no sync)."""
+
+    ts: float
+    bandwidth_mbps: float | None = None
+    latency_ms: float | None = None
+    memory_gb: float | None = None
+
+    def values(self) -> dict[str, float]:
+        out = {}
+        for name in ("bandwidth_mbps", "latency_ms", "memory_gb"):
+            v = getattr(self, name)
+            if v is not None and math.isfinite(v):
+                out[name] = float(v)
+        return out
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    window_s: float = 3.0
+    min_samples: int = 3
+    overload_fraction: float = 0.75
+    margin: float = 0.2
+    recovery_s: float = 30.0
+    max_recovery_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("window_s", self.window_s > 0, "> 0"),
+            ("min_samples", self.min_samples >= 1, ">= 1"),
+            ("overload_fraction", 0 < self.overload_fraction <= 1, "in (0, 1]"),
+            ("margin", 0 <= self.margin < 1, "in [0, 1)"),
+            ("recovery_s", self.recovery_s > 0, "> 0"),
+            ("max_recovery_s", self.max_recovery_s >= self.recovery_s, ">= recovery_s"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class Transition:
+    before: Phase
+    after: Phase
+    trigger: Trigger
+    action: Action
+    level_before: int
+    level_after: int
+    evidence: dict[str, Any]
+    meltdown: bool = False  # an entry into degradation (level 0 -> 1)
+    relapse: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "from": self.before.value,
+            "to": self.after.value,
+            "trigger": self.trigger.value,
+            "action": self.action.value,
+            "level_from": self.level_before,
+            "level_to": self.level_after,
+            "meltdown": self.meltdown,
+            "relapse": self.relapse,
+            "evidence": self.evidence,
+        }
+
+
+@dataclass
+class Breaker:
+    config: BreakerConfig = field(default_factory=BreakerConfig)
+    phase: Phase = Phase.CLOSED
+    level: int = 0
+    wait_s: float = 0.0
+    awaiting_version: int | None = None
+    evidence_since: float = -math.inf
+    calm_since: float | None = None
+    calm_count: int = 0
+    meltdowns: int = 0
+    relapses: int = 0
+    causes: tuple[str, ...] = ()
+    _samples: deque[Sample] = field(default_factory=deque, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.wait_s:
+            self.wait_s = self.config.recovery_s
+
+    @classmethod
+    def resumed(cls, config: BreakerConfig, level: int, now: float) -> Breaker:
+        """A breaker for a worker whose directive already has ``level`` in force (after a restart of the
+        control plane): degraded workers resume OPEN and must show calm again before stepping down."""
+        b = cls(config=config, level=level, phase=Phase.OPEN if level else Phase.CLOSED)
+        b.evidence_since = now
+        return b
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def observe(self, sample: Sample, caps: Caps) -> None:
+        if sample.ts <= self.evidence_since:
+            return
+        self._samples.append(sample)
+        horizon = sample.ts - self.config.window_s  # calm is tracked by calm_since, not by samples
+        while self._samples and self._samples[0].ts < horizon:
+            self._samples.popleft()
+        if self._is_calm(sample, caps):
+            if self.calm_since is None:
+                self.calm_since = sample.ts
+                self.calm_count = 0
+            self.calm_count += 1
+        else:
+            self.calm_since = None
+            self.calm_count = 0
+
+    def issued(self, version: int, now: float) -> None:
+        """The caller published the directive carrying the last ESCALATE / STEP_DOWN as ``version``."""
+        self.awaiting_version = version
+        self._fresh(now)
+
+    def _fresh(self, now: float) -> None:
+        self.evidence_since = now
+        self._samples.clear()
+        self.calm_since = None
+        self.calm_count = 0
+
+    # -- decision ---------------------------------------------------------------------------------
+    def decide(self, now: float, caps: Caps, acked_version: int) -> Transition | None:
+        trigger, evidence = self._trigger(now, caps, acked_version)
+        if trigger is None:
+            return None
+        at_bound = self.level >= MAX_LEVEL if trigger is Trigger.OVERLOAD else self.level == 0
+        row = TRANSITIONS.get((self.phase, trigger, at_bound))
+        if row is None:
+            return None
+        after, action = row
+        before, level_before = self.phase, self.level
+        meltdown = relapse = False
+        if trigger is Trigger.ACKED:
+            self.awaiting_version = None
+            self._fresh(now)  # the ack beat itself still describes the old level
+        if action is Action.ESCALATE:
+            self.level += 1
+            meltdown = level_before == 0
+            relapse = before is Phase.HALF_OPEN
+            if relapse:
+                self.relapses += 1
+                self.wait_s = min(self.wait_s * 2, self.config.max_recovery_s)
+            if meltdown:
+                self.meltdowns += 1
+                self.causes = tuple(evidence.get("over", {}))
+        elif action is Action.STEP_DOWN:
+            self.level -= 1
+        if after is Phase.CLOSED:
+            self.wait_s = self.config.recovery_s
+            self.causes = ()
+        if (after, action) == (before, Action.NONE):
+            return None  # holding at the top of the ladder is not a transition
+        self.phase = after
+        return Transition(before, after, trigger, action, level_before, self.level, evidence, meltdown, relapse)
+
+    def _trigger(self, now: float, caps: Caps, acked_version: int) -> tuple[Trigger | None, dict[str, Any]]:
+        if self.awaiting_version is not None:
+            if acked_version >= self.awaiting_version:
+                return Trigger.ACKED, {"acked_version": acked_version}
+            return None, {}
+        window = [s for s in self._samples if s.ts > now - self.config.window_s]
+        over = self._overload(window, caps)
+        if over is not None:
+            return Trigger.OVERLOAD, over
+        if self.calm_since is not None and self.calm_count >= self.config.min_samples:
+            calm_for = now - self.calm_since
+            if calm_for >= self.wait_s:
+                return Trigger.CALM, {
+                    "calm_for_s": round(calm_for, 3),
+                    "wait_s": self.wait_s,
+                    "samples": self.calm_count,
+                    "margin": self.config.margin,
+                    "caps": caps.limits(),
+                }
+        return None, {}
+
+    def _overload(self, window: list[Sample], caps: Caps) -> dict[str, Any] | None:
+        if len(window) < self.config.min_samples:
+            return None
+        limits = caps.limits()
+        over: dict[str, dict[str, float]] = {}
+        for name, cap in limits.items():
+            values = [v[name] for v in (s.values() for s in window) if name in v]
+            if len(values) < self.config.min_samples:
+                continue
+            exceeding = [x for x in values if x > cap]
+            if len(exceeding) >= self.config.overload_fraction * len(values):
+                over[name] = {
+                    "cap": cap,
+                    "median": sorted(values)[len(values) // 2],
+                    "max": max(values),
+                    "exceeding": len(exceeding),
+                    "samples": len(values),
+                }
+        if not over:
+            return None
+        since = self.evidence_since if math.isfinite(self.evidence_since) else None
+        return {"over": over, "window_s": self.config.window_s, "evidence_since": since}
+
+    def _is_calm(self, sample: Sample, caps: Caps) -> bool:
+        limits = caps.limits()
+        return all(v < limits[k] * (1 - self.config.margin) for k, v in sample.values().items() if k in limits)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase.value,
+            "level": self.level,
+            "wait_s": self.wait_s,
+            "awaiting_version": self.awaiting_version,
+            "meltdowns": self.meltdowns,
+            "relapses": self.relapses,
+            "causes": list(self.causes),
+        }

@@ -1,0 +1,220 @@
+"""Fault injection shipped with the probe, so tests, the demo and users can rehearse faults on real runs.
+
+``DSEC_CHAOS`` holds one or more faults separated by ``;``, each a comma-separated list of ``key=value``::
+
+    DSEC_CHAOS="sync_delay_ms=200,rank=1,after_s=20,for_s=30"
+    DSEC_CHAOS="memory_growth_mb_per_s=50,max_mb=1024,after_s=5; interrupt_episodes=collision,rank=0"
+
+Exactly one fault kind per clause:
+
+``sync_delay_ms``          the rank arrives this late at each step's last gradient collective (a straggler)
+``memory_growth_mb_per_s`` resident memory grows at this rate (real, touched pages) up to ``max_mb``
+                           (default 1024); released when the window ends
+``interrupt_episodes``     every episode that ends is reported as interrupted with this reason
+``grad_spike``             the rank's local gradient is multiplied by this factor before synchronization
+
+Window keys (all optional): ``rank`` (default: every rank), ``after_s`` (from probe start, default 0),
+``for_s`` (default: until exit), ``every_s`` (repeat the window with this period). The probe reports
+each window's start and end as ``log`` events carrying the scheduled wall-clock times, which is what
+benchmarks measure reaction times from.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("sync_delay_ms", "memory_growth_mb_per_s", "interrupt_episodes", "grad_spike")
+WINDOW_KEYS = ("rank", "after_s", "for_s", "every_s", "max_mb")
+
+
+class ChaosError(ValueError):
+    """DSEC_CHAOS is malformed; the message names the clause and the key."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    value: float | str
+    rank: int | None = None
+    after_s: float = 0.0
+    for_s: float = math.inf
+    every_s: float | None = None
+    max_mb: float = 1024.0
+
+    def window_index(self, elapsed: float) -> int | None:
+        """Which repetition of the window ``elapsed`` falls in, or None when outside every window."""
+        t = elapsed - self.after_s
+        if t < 0:
+            return None
+        k = 0
+        if self.every_s is not None:
+            k = int(t // self.every_s)
+            t -= k * self.every_s
+        return k if t < self.for_s else None
+
+    def describe(self) -> str:
+        return f"{self.kind}={self.value}" + (f",rank={self.rank}" if self.rank is not None else "")
+
+
+def _number(clause: str, key: str, raw: str, minimum: float = 0.0) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ChaosError(f"DSEC_CHAOS clause {clause!r}: {key}={raw!r} is not a number") from None
+    if not math.isfinite(value) or value < minimum:
+        raise ChaosError(f"DSEC_CHAOS clause {clause!r}: {key}={raw!r} must be a finite number >= {minimum:g}")
+    return value
+
+
+def parse(spec: str) -> tuple[Fault, ...]:
+    faults = []
+    for clause in (c.strip() for c in spec.split(";")):
+        if not clause:
+            continue
+        items: dict[str, str] = {}
+        for part in (p.strip() for p in clause.split(",")):
+            if not part:
+                continue
+            key, sep, raw = part.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise ChaosError(f"DSEC_CHAOS clause {clause!r}: {part!r} is not key=value")
+            if key not in KINDS and key not in WINDOW_KEYS:
+                raise ChaosError(
+                    f"DSEC_CHAOS clause {clause!r}: unknown key {key!r}; expected one of {list(KINDS + WINDOW_KEYS)}"
+                )
+            if key in items:
+                raise ChaosError(f"DSEC_CHAOS clause {clause!r}: {key!r} given twice")
+            items[key] = raw.strip()
+        kinds = [k for k in items if k in KINDS]
+        if len(kinds) != 1:
+            raise ChaosError(f"DSEC_CHAOS clause {clause!r}: expected exactly one fault kind of {list(KINDS)}")
+        kind = kinds[0]
+        value: float | str = items[kind] if kind == "interrupt_episodes" else _number(clause, kind, items[kind])
+        if kind == "interrupt_episodes" and not str(value).replace("_", "").isalnum():
+            raise ChaosError(f"DSEC_CHAOS clause {clause!r}: interrupt_episodes={value!r} must be a word (the reason)")
+        rank = items.get("rank")
+        if rank is not None and not rank.isdigit():
+            raise ChaosError(f"DSEC_CHAOS clause {clause!r}: rank={rank!r} must be a non-negative integer")
+        every = _number(clause, "every_s", items["every_s"], 0.001) if "every_s" in items else None
+        for_s = _number(clause, "for_s", items["for_s"], 0.001) if "for_s" in items else math.inf
+        if every is not None and for_s > every:
+            raise ChaosError(f"DSEC_CHAOS clause {clause!r}: for_s={for_s:g} must not exceed every_s={every:g}")
+        faults.append(
+            Fault(
+                kind=kind,
+                value=value,
+                rank=int(rank) if rank is not None else None,
+                after_s=_number(clause, "after_s", items["after_s"]) if "after_s" in items else 0.0,
+                for_s=for_s,
+                every_s=every,
+                max_mb=_number(clause, "max_mb", items["max_mb"]) if "max_mb" in items else 1024.0,
+            )
+        )
+    return tuple(faults)
+
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+class Chaos:
+    """The faults of one process. Hooks ask it what to inject; ``poll()`` (once per beat) reports window
+    starts and ends and drives memory growth."""
+
+    def __init__(
+        self,
+        faults: tuple[Fault, ...],
+        rank: Callable[[], int | None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.faults = faults
+        self._rank = rank
+        self._clock = clock
+        self._t0 = clock()
+        self._wall0 = wall()
+        self._lock = threading.Lock()
+        self._announced: dict[int, int | None] = {}
+        self._ballast: list[bytes] = []
+        self._ballast_mb = 0.0
+        self._grown_at: float | None = None
+
+    @classmethod
+    def from_env(cls, spec: str | None, rank: Callable[[], int | None]) -> Chaos | None:
+        if not spec or not spec.strip():
+            return None
+        return cls(parse(spec), rank=rank)
+
+    def _active(self, kind: str) -> Fault | None:
+        elapsed = self._clock() - self._t0
+        my_rank = self._rank()
+        for f in self.faults:
+            if f.kind != kind or (f.rank is not None and f.rank != my_rank):
+                continue
+            if f.window_index(elapsed) is not None:
+                return f
+        return None
+
+    # -- asked by hooks ------------------------------------------------------------------------------
+    def sync_delay_s(self, rank: int | None = None) -> float:
+        f = self._active("sync_delay_ms")
+        return float(f.value) / 1000.0 if f is not None else 0.0
+
+    def grad_factor(self) -> float:
+        f = self._active("grad_spike")
+        return float(f.value) if f is not None else 1.0
+
+    def interrupt_reason(self) -> str | None:
+        f = self._active("interrupt_episodes")
+        return str(f.value) if f is not None else None
+
+    # -- once per beat -------------------------------------------------------------------------------
+    def poll(self, emit: EventSink) -> None:
+        elapsed = self._clock() - self._t0
+        my_rank = self._rank()
+        for i, f in enumerate(self.faults):
+            if f.rank is not None and f.rank != my_rank:
+                continue
+            window = f.window_index(elapsed)
+            if window != self._announced.get(i):
+                previous = self._announced.get(i)
+                self._announced[i] = window
+                if previous is not None:
+                    emit(self._event(f, "stop", previous))
+                if window is not None:
+                    emit(self._event(f, "start", window))
+        self._grow_memory()
+
+    def _event(self, f: Fault, phase: str, window: int) -> dict[str, Any]:
+        start = f.after_s + window * (f.every_s or 0.0)
+        at = start if phase == "start" else start + f.for_s
+        return {"chaos": phase, "fault": f.describe(), "window": window, "at": round(self._wall0 + at, 6)}
+
+    def _grow_memory(self) -> None:
+        f = self._active("memory_growth_mb_per_s")
+        now = self._clock()
+        with self._lock:
+            if f is None:
+                self._ballast.clear()
+                self._ballast_mb = 0.0
+                self._grown_at = None
+                return
+            if self._grown_at is None:
+                self._grown_at = now
+                return
+            target = min(f.max_mb, self._ballast_mb + float(f.value) * (now - self._grown_at))
+            self._grown_at = now
+            add = int(target - self._ballast_mb)
+            if add >= 1:
+                # Touched pages, not a zero-filled allocation: resident memory really grows.
+                self._ballast.append(b"\x5a" * (add << 20))
+                self._ballast_mb += add
+
+    @property
+    def ballast_mb(self) -> float:
+        return self._ballast_mb
