@@ -70,6 +70,13 @@ def serve(
         str | None, typer.Option(envvar="DSEC_DATABASE_URL", help="SQLAlchemy URL (default SQLite in home).")
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    alert_webhook: Annotated[
+        list[str] | None,
+        typer.Option(
+            envvar="DSEC_ALERT_WEBHOOK",
+            help="Send alerts to this URL, signed (HMAC-SHA256) with the secret in DSEC_ALERT_SECRET. Repeatable.",
+        ),
+    ] = None,
 ) -> None:
     """Run the control plane (uvicorn)."""
     import secrets
@@ -81,7 +88,18 @@ def serve(
     from dsec.control.settings import Settings
     from dsec.control.store import StoreError
 
-    settings = Settings.from_env(home=home, database_url=database_url, host=host, port=port, cluster_file=cluster)
+    hooks = [u for u in (alert_webhook or []) if u]
+    secret = os.environ.get("DSEC_ALERT_SECRET", "")
+    if hooks and not secret:
+        raise _fail(ValueError("--alert-webhook needs DSEC_ALERT_SECRET (the key alerts are signed with)"), 2)
+    settings = Settings.from_env(
+        home=home,
+        database_url=database_url,
+        host=host,
+        port=port,
+        cluster_file=cluster,
+        alert_webhooks=tuple((u, secret) for u in hooks),
+    )
     settings.home.mkdir(parents=True, exist_ok=True)
     if settings.admin_token is None:
         # No admin token configured: make one and leave it where the CLI looks (0600).
@@ -259,8 +277,14 @@ def run(
     endpoint: Annotated[str | None, typer.Option(help="Control plane; default $DSEC_ENDPOINT.")] = None,
     token: Annotated[str | None, typer.Option(help="Pool token; default $DSEC_TOKEN.")] = None,
     role: Annotated[str | None, typer.Option(help="actor | learner | other")] = None,
+    chaos: Annotated[
+        str | None,
+        typer.Option(help='Fault injection, e.g. "sync_delay_ms=200,rank=1,after_s=20,for_s=30"; default $DSEC_CHAOS.'),
+    ] = None,
 ) -> None:
     """Run COMMAND with the DSec probe injected into every Python process it starts: dsec run -- python train.py"""
+    from dsec.probe.chaos import ChaosError
+    from dsec.probe.chaos import parse as parse_chaos
     from dsec.probe.config import plugin_env
     from dsec.probe.launch import probe_env
     from dsec.probe.launch import run as run_command
@@ -279,10 +303,16 @@ def run(
         ("DSEC_ENDPOINT", endpoint),
         ("DSEC_TOKEN", token),
         ("DSEC_ROLE", role),
+        ("DSEC_CHAOS", chaos),
     ):
         if value is not None:
             settings[key] = value
     env = probe_env(os.environ, settings)
+    try:
+        # Checked here, before anything starts: inside the job a bad spec would only be logged.
+        parse_chaos(env.get("DSEC_CHAOS") or "")
+    except ChaosError as exc:
+        raise _fail(exc, 2) from None
     if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
         err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
     try:

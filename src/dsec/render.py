@@ -15,6 +15,7 @@ _METRIC_COLUMNS = (
     ("updates", ("updates_total",)),
     ("step ms", ("step_ms_mean",)),
     ("sync p99 ms", ("sync_latency_ms_p99",)),
+    ("sync cost ms", ("sync_cost_ms_p50",)),
     ("bytes/sync", ("bytes_per_sync",)),
     ("grad norm", ("grad_norm",)),
     ("env steps/s", ("env_steps_per_s",)),
@@ -44,6 +45,7 @@ def pools_table(status: Mapping[str, Any]) -> Table:
         "lost",
         "pending",
         "meltdowns",
+        "mem used/granted/cap GB",
     ):
         t.add_column(col, justify="right" if col != "pool" else "left")
     for p in status.get("pools", []):
@@ -58,9 +60,26 @@ def pools_table(status: Mapping[str, Any]) -> Table:
             str(p["workers"]["active"]),
             str(p["workers"]["lost"]),
             str(p["directives_pending"]),
-            str(p["meltdowns"]),
+            str(p["meltdowns"]) + (" [yellow]pool slow" if p.get("sync_slowdown") else ""),
+            _memory(p.get("memory")),
         )
     return t
+
+
+def _memory(mem: Mapping[str, Any] | None) -> str:
+    if not mem:
+        return "-"
+    cap = mem.get("capacity_gb")
+    return f"{mem['used_gb']:.1f}/{mem['granted_gb']:.1f}/{'?' if cap is None else f'{cap:g}'}"
+
+
+_PHASE_STYLE = {
+    "closed": "green",
+    "open": "bold red",
+    "escalating": "red",
+    "recovering": "yellow",
+    "half_open": "yellow",
+}
 
 
 def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None, title: str = "Workers") -> Table:
@@ -75,6 +94,7 @@ def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None
         "state",
         "beats",
         "last beat",
+        "breaker",
         "bits/accum",
         "directive desired/acked",
         *(c for c, _ in _METRIC_COLUMNS),
@@ -84,8 +104,14 @@ def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None
         d = w["directive"]
         sync = "[green]" if d["in_sync"] else "[yellow]"
         desired = d["desired"]
-        # What the directive asks for; the breaker's level itself arrives with the breaker.
         degradation = f"{desired['compression_bits']}b/x{desired['grad_accum_steps']}"
+        if not desired.get("async_sampling", True):
+            degradation += "/paused"
+        b = w.get("breaker") or {}
+        phase = b.get("phase", "closed")
+        breaker = f"[{_PHASE_STYLE.get(phase, 'white')}]L{b.get('level', 0)} {phase}"
+        if w.get("meltdowns"):
+            breaker += f" ({w['meltdowns']}x)"
         t.add_row(
             w["id"],
             w["pool"],
@@ -95,6 +121,7 @@ def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None
             f"[{_STATE_STYLE.get(w['state'], 'white')}]{w['state']}",
             str(w["beats"]),
             f"{max(0.0, now - w['last_beat_at']):.1f}s ago",
+            breaker,
             degradation,
             f"{sync}v{d['desired_version']}/v{d['acked_version']}",
             *(_metric(w["metrics"], keys) for _, keys in _METRIC_COLUMNS),

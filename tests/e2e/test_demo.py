@@ -13,7 +13,8 @@ import pytest
 def test_demo_runs_to_its_summary() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "dsec.cli", "demo", "--workers", "2", "--duration", "8"],
+        # Long enough for the breaker scene: a fault window, four escalations/acks and three step-downs.
+        [sys.executable, "-m", "dsec.cli", "demo", "--workers", "2", "--duration", "30"],
         env=env,
         capture_output=True,
         text=True,
@@ -24,5 +25,13 @@ def test_demo_runs_to_its_summary() -> None:
     assert proc.returncode == 0, out[-4000:]
     assert "DSec demo summary" in out
     assert "FAILED" not in out
-    for check in ("acked", "lost", "training processes finished cleanly", "dsec_melt_down_count"):
+    for check in (
+        "acked",
+        "lost",
+        "training processes finished cleanly",
+        "dsec_melt_down_count",
+        "circuit breaker",
+        "back to level 0",
+        "_episode_stuck_collision_3x",
+    ):
         assert check in out, check

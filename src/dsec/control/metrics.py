@@ -40,6 +40,7 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         st = self._cp.state
+        judge = self._cp.judge
         util = GaugeMetricFamily(
             "dsec_sandbox_utilization_rate",
             "Mean over a pool's active workers of memory used / memory quota (0..1+); 0 without reports.",
@@ -67,6 +68,21 @@ class PoolCollector(Collector):
             "Active workers whose desired directive version is not acked yet.",
             labels=["pool"],
         )
+        worker_melt = GaugeMetricFamily(
+            "dsec_worker_melt_down_count",
+            "Entries into degradation per worker since the store was created; only grows.",
+            labels=["pool", "worker"],
+        )
+        level = GaugeMetricFamily(
+            "dsec_breaker_level",
+            "Degradation level in force per active worker (0 healthy .. 3 sampling paused).",
+            labels=["pool", "worker"],
+        )
+        memory = GaugeMetricFamily(
+            "dsec_pool_memory_gb",
+            "Pool memory accounting of the elastic quotas: device capacity, quota granted, memory used.",
+            labels=["pool", "kind"],
+        )
         by_pool: dict[str, list[LiveWorker]] = {name: [] for name in st.pools}
         for w in list(st.workers.values()):
             by_pool.setdefault(w.pool, []).append(w)
@@ -86,7 +102,18 @@ class PoolCollector(Collector):
             for s in WorkerState:
                 workers.add_metric([pool, s.value], float(sum(1 for w in ws if w.state is s)))
             pending.add_metric([pool], float(sum(1 for w in active if w.acked_version != w.directive.version)))
-        yield from (util, sync, recovery, melt, workers, pending)
+            for w in ws:
+                if st.worker_meltdowns.get(w.id):
+                    worker_melt.add_metric([pool, w.id], float(st.worker_meltdowns[w.id]))
+            for w in active:
+                b = judge.breakers.get(w.id)
+                level.add_metric([pool, w.id], float(b.level if b else 0))
+            mem = judge.pool_memory.get(pool)
+            if mem is not None:
+                for kind, value in (("capacity", mem.capacity_gb), ("granted", mem.granted_gb), ("used", mem.used_gb)):
+                    if value is not None:
+                        memory.add_metric([pool, kind], float(value))
+        yield from (util, sync, recovery, melt, workers, pending, worker_melt, level, memory)
 
 
 class ControlPlaneMetrics:

@@ -30,8 +30,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from dsec.breaker import BreakerConfig
 from dsec.client import Client
 from dsec.control.app import create_app
+from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
 from dsec.render import events_table, pools_table, workers_table
@@ -145,6 +147,62 @@ def _scraped(run: DemoRun) -> bool:
     return all(f"{name}{{" in text for name in HEADLINE_METRICS)
 
 
+def chaos_for_learners(duration_s: float) -> str:
+    """Learner rank 0 arrives 150 ms late at every gradient sync for a while, early in the run (the
+    probe's clock starts with the process), leaving time to recover before the run ends."""
+    return f"sync_delay_ms=150,rank=0,after_s=8,for_s={max(4.0, 0.2 * duration_s):g}"
+
+
+CHAOS_ACTOR = "interrupt_episodes=collision,after_s=3,for_s=1.5"
+
+
+def _note_chaos(run: DemoRun) -> bool:
+    run.notes.append(f"learners run with DSEC_CHAOS={run.state['chaos_learners']!r}; the actor with {CHAOS_ACTOR!r}")
+    return True
+
+
+def _events_of(run: DemoRun, role: str, rank: int | None, *types: str) -> list[dict[str, Any]]:
+    ids = [w["id"] for w in run.worker_ids(role) if rank is None or w["rank"] == rank]
+    return [e for wid in ids for e in run.client.all_events(worker_id=wid, types=list(types))]
+
+
+def _breaker_reacted(run: DemoRun) -> bool:
+    melt = _events_of(run, "learner", 0, "meltdown")
+    others = [
+        e
+        for w in run.worker_ids("learner")
+        if w["rank"] != 0
+        for e in run.client.all_events(worker_id=w["id"], types=["meltdown", "breaker"])
+    ]
+    moves = _events_of(run, "learner", 0, "meltdown", "breaker", "recovered")
+    levels = [e["data"]["level_to"] for e in moves if e["data"]["action"] != "none"]
+    closed = any(e["type"] == "recovered" for e in moves)
+    if melt:
+        over = melt[0]["data"]["evidence"]["over"].get("latency_ms", {})
+        run.notes.append(
+            f"breaker: rank 0 melted down on sync cost (median {over.get('median', 0):.0f} ms > cap "
+            f"{over.get('cap', 0):g} ms); levels {' -> '.join(map(str, [0, *levels]))}"
+            + ("; back to level 0" if closed else "; not yet recovered")
+            + f"; other learners' breaker events: {len(others)}"
+        )
+    return bool(melt) and not others and closed and levels[-1] == 0
+
+
+def _stuck_alerted(run: DemoRun) -> bool:
+    alerts = [e for e in _events_of(run, "actor", None, "alert") if "_episode_stuck_" in e["data"].get("name", "")]
+    lowered = [
+        e
+        for e in _events_of(run, "actor", None, "directive_set")
+        if "stuck_episode" in str(e["data"].get("by")) and "sync_priority" in e["data"].get("changes", {})
+    ]
+    if alerts:
+        changes = lowered[0]["data"]["changes"] if lowered else {}
+        run.notes.append(
+            f"stuck episodes: alert {alerts[0]['data']['name']!r}; the actor's directive changed {changes}"
+        )
+    return bool(alerts) and bool(lowered)
+
+
 HEADLINE_METRICS = (
     "dsec_sandbox_utilization_rate",
     "dsec_gradient_sync_success_rate",
@@ -153,6 +211,18 @@ HEADLINE_METRICS = (
 )
 
 SCENES = [
+    Scene(
+        "circuit breaker: 150 ms injected into rank 0's sync -> only rank 0 degrades, then recovers to level 0",
+        0.0,
+        _note_chaos,
+        _breaker_reacted,
+    ),
+    Scene(
+        "stuck episodes: interrupted episodes -> alert, memory ceiling and sync priority lowered",
+        0.0,
+        lambda run: True,
+        _stuck_alerted,
+    ),
     Scene(
         "4-bit gradient compression on one rank: directive acked, its upload >= 6x smaller",
         0.3,
@@ -238,8 +308,16 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
     console.print(f"DSEC_HOME={home}  (SQLite store, embedded control plane on 127.0.0.1)")
     cluster = resources.files("dsec") / "data" / "cluster.yaml"
     admin = "dsa_demo_" + os.urandom(8).hex()
+    # Production waits 30 s of calm before stepping a worker down; the demo shows a whole cycle in seconds.
+    judge = JudgeConfig(breaker=BreakerConfig(window_s=1.5, min_samples=3, recovery_s=2.0, max_recovery_s=8.0))
     settings = Settings.from_env(
-        home=home, admin_token=admin, cluster_file=Path(str(cluster)), lost_after_beats=3, reconcile_interval_s=0.2
+        home=home,
+        admin_token=admin,
+        cluster_file=Path(str(cluster)),
+        lost_after_beats=3,
+        reconcile_interval_s=0.2,
+        judge=judge,
+        alert_log=False,  # alerts are shown from the event log, not printed over the live table
     )
     app = create_app(settings)
     procs: list[Proc] = []
@@ -270,15 +348,18 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             "--log-every",
             "0",
         ]
-        procs.append(_spawn("learners", "learner", ppo, env, home))
+        chaos = chaos_for_learners(duration_s)
+        procs.append(_spawn("learners", "learner", ppo, {**env, "DSEC_CHAOS": chaos}, home))
         # The actor outlives the learners: the demo kills it (the liveness scene), whatever the machine's speed.
         actor_s = str(duration_s + 120)
-        procs.append(_spawn("actor", "actor", [sys.executable, "-m", "dsec.demo.workload", actor_s], env, home))
+        actor = [sys.executable, "-m", "dsec.demo.workload", actor_s]
+        procs.append(_spawn("actor", "actor", actor, {**env, "DSEC_CHAOS": CHAOS_ACTOR}, home))
         console.print(
             f"started `dsec run -- python examples/ppo_cartpole_ddp.py --world-size {workers}` (PPO, DDP over gloo, "
             f"no dsec import) and one actor process; the probe reports every {HEARTBEAT_S} s"
         )
         run = DemoRun(console, client, procs)
+        run.state["chaos_learners"] = chaos
         pending = list(SCENES)
         try:
             # Wait for every process to register (import torch takes a few seconds per process).

@@ -173,10 +173,11 @@ class Probe:
         return observed
 
     def after_episode(self, reason: str | None = None) -> None:
-        # Every N-th consecutive interrupted episode is reported at once; the control plane decides
-        # what to do about it (stuck-episode detector).
+        # N consecutive interrupted episodes are reported at once, then 2N, 4N, ... (a stuck agent
+        # keeps being reported, but a fast one does not flood); the control plane decides what to do.
         n = self.telemetry.consecutive_interrupted
-        if reason is not None and n and n % self.config.stuck_episode_threshold == 0:
+        k, rest = divmod(n, self.config.stuck_episode_threshold)
+        if reason is not None and n and rest == 0 and k & (k - 1) == 0:
             self.event("anomaly", urgent=True, kind="episode_stuck", reason=reason, count=n)
 
     # -- actuator helpers for user code -------------------------------------------------------------------
