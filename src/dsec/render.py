@@ -99,7 +99,11 @@ def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None
         "directive desired/acked",
         *(c for c, _ in _METRIC_COLUMNS),
     ):
-        t.add_column(col, justify="left" if col in ("worker", "pool", "group", "role", "state") else "right")
+        t.add_column(
+            col,
+            justify="left" if col in ("worker", "pool", "group", "role", "state") else "right",
+            no_wrap=col in ("worker", "pool", "state"),  # ids must stay copyable from the table
+        )
     for w in workers:
         d = w["directive"]
         sync = "[green]" if d["in_sync"] else "[yellow]"

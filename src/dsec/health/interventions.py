@@ -48,7 +48,8 @@ def stuck_episode(
     sync priority one level (floor -10)."""
     ceiling = fields.get("memory_ceiling_gb") or pool_ceiling_gb
     quota = fields.get("memory_quota_gb") or pool_base_gb
-    new_ceiling = max(float(quota), float(pool_base_gb), float(ceiling) - step_gb)
+    # min(): a ceiling already below the floor (an operator's choice) is kept, never raised.
+    new_ceiling = min(float(ceiling), max(float(quota), float(pool_base_gb), float(ceiling) - step_gb))
     priority = max(-10, int(fields.get("sync_priority") or 0) - 1)
     patch: dict[str, Any] = {"sync_priority": priority}
     if new_ceiling != ceiling:

@@ -99,9 +99,12 @@ def parse(spec: str) -> tuple[Fault, ...]:
         if kind == "interrupt_episodes" and not str(value).replace("_", "").isalnum():
             raise ChaosError(f"DSEC_CHAOS clause {clause!r}: interrupt_episodes={value!r} must be a word (the reason)")
         rank = items.get("rank")
-        if rank is not None and not rank.isdigit():
+        # isascii: '²'.isdigit() is True but int('²') raises a bare ValueError.
+        if rank is not None and not (rank.isascii() and rank.isdigit()):
             raise ChaosError(f"DSEC_CHAOS clause {clause!r}: rank={rank!r} must be a non-negative integer")
         every = _number(clause, "every_s", items["every_s"], 0.001) if "every_s" in items else None
+        if every is not None and "for_s" not in items:
+            raise ChaosError(f"DSEC_CHAOS clause {clause!r}: every_s={every:g} needs for_s (each window's length)")
         for_s = _number(clause, "for_s", items["for_s"], 0.001) if "for_s" in items else math.inf
         if every is not None and for_s > every:
             raise ChaosError(f"DSEC_CHAOS clause {clause!r}: for_s={for_s:g} must not exceed every_s={every:g}")
@@ -142,6 +145,7 @@ class Chaos:
         self._announced: dict[int, int | None] = {}
         self._ballast: list[bytes] = []
         self._ballast_mb = 0.0
+        self._target_mb = 0.0  # fractional MB owed: polls faster than 1 MB per poll must still add up
         self._grown_at: float | None = None
 
     @classmethod
@@ -150,9 +154,11 @@ class Chaos:
             return None
         return cls(parse(spec), rank=rank)
 
-    def _active(self, kind: str) -> Fault | None:
+    def _active(self, kind: str, rank: int | None = None) -> Fault | None:
         elapsed = self._clock() - self._t0
         my_rank = self._rank()
+        if my_rank is None:
+            my_rank = rank  # the hook knows its rank before the probe does
         for f in self.faults:
             if f.kind != kind or (f.rank is not None and f.rank != my_rank):
                 continue
@@ -162,7 +168,7 @@ class Chaos:
 
     # -- asked by hooks ------------------------------------------------------------------------------
     def sync_delay_s(self, rank: int | None = None) -> float:
-        f = self._active("sync_delay_ms")
+        f = self._active("sync_delay_ms", rank)
         return float(f.value) / 1000.0 if f is not None else 0.0
 
     def grad_factor(self) -> float:
@@ -201,15 +207,15 @@ class Chaos:
         with self._lock:
             if f is None:
                 self._ballast.clear()
-                self._ballast_mb = 0.0
+                self._ballast_mb = self._target_mb = 0.0
                 self._grown_at = None
                 return
             if self._grown_at is None:
                 self._grown_at = now
                 return
-            target = min(f.max_mb, self._ballast_mb + float(f.value) * (now - self._grown_at))
+            self._target_mb = min(f.max_mb, self._target_mb + float(f.value) * (now - self._grown_at))
             self._grown_at = now
-            add = int(target - self._ballast_mb)
+            add = int(self._target_mb - self._ballast_mb)
             if add >= 1:
                 # Touched pages, not a zero-filled allocation: resident memory really grows.
                 self._ballast.append(b"\x5a" * (add << 20))
