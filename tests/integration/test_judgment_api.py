@@ -78,7 +78,8 @@ def events_of(h: Harness, worker_id: str | None = None, *types: str) -> list[dic
     filters: dict[str, Any] = {"types": list(types)}
     if worker_id is not None:
         filters["worker_id"] = worker_id
-    return h.admin.all_events(**filters)
+    found: list[dict[str, Any]] = h.admin.all_events(**filters)
+    return found
 
 
 def api_worker(h: Harness, worker_id: str) -> dict[str, Any]:
@@ -249,13 +250,17 @@ def test_precision_falls_back_on_non_finite_gradients_and_is_restored_when_stabl
     fallback_at = time.time()
     (alert,) = events_of(h, b.id, "alert")
     assert alert["data"]["name"] == "learner0_precision_fallback_bf16_to_fp16"
-    assert (alert["data"]["kind"], alert["data"]["from"], alert["data"]["to"]) == ("non_finite_gradient", "bf16", "fp16")
+    assert (alert["data"]["kind"], alert["data"]["from"], alert["data"]["to"]) == (
+        "non_finite_gradient",
+        "bf16",
+        "fp16",
+    )
     b.ack_latest()
 
     # Stable from here on: the reconcile loop restores bf16 after stable_s, not before.
     def restored() -> bool:
         b.beat({"grad_norm": 1.0})
-        return b.directive["precision"] == "bf16"
+        return bool(b.directive["precision"] == "bf16")
 
     wait_for(restored, timeout=10, interval=BEAT_S, what="precision restored to bf16")
     assert time.time() - fallback_at >= stable_s * 0.9
@@ -362,8 +367,7 @@ def test_alerts_reach_a_signed_webhook_once_despite_repeats(
             b.beat({}, [stuck])
         assert len(events_of(h, b.id, "alert")) == 21
         time.sleep(1.0)  # > several group intervals and router ticks: a second notification would be here
-        assert len(receiver.received()) <= 2
-        assert len(receiver.received()) == 1
+        assert len(receiver.received()) == 1  # exactly the first one: the repeats were folded
         assert receiver.rejected == []
     finally:
         h.close()  # stop the router before the receiver goes away
@@ -396,9 +400,7 @@ def test_elastic_quotas_grow_in_steps_up_to_the_ceiling_while_capacity_allows(
         mem: dict[str, Any] = p["memory"]
         return mem
 
-    def drive(
-        needy: list[Beater], idle: list[Beater], seconds: float, until: Callable[[], bool] | None = None
-    ) -> None:
+    def drive(needy: list[Beater], idle: list[Beater], seconds: float, until: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not (until and until()):
             for w in needy:
@@ -420,8 +422,8 @@ def test_elastic_quotas_grow_in_steps_up_to_the_ceiling_while_capacity_allows(
     c = Beater(h, h.register("pool-q", token=token, role="learner", rank=2))
     drive([a, b, c], [], 0.8)
     assert (quota(a), quota(b), quota(c)) == (4.0, 2.0, 2.0)
-    mem = wait_for(lambda: (m := pool_memory()) and m["workers"] == 3 and m, what="accounting of 3 workers")
-    assert mem["granted_gb"] == 8.0 and mem["headroom_gb"] == 0.0
+    mem = pool_memory()
+    assert mem["workers"] == 3 and mem["granted_gb"] == 8.0 and mem["headroom_gb"] == 0.0
     assert mem["used_gb"] == pytest.approx(3.8 + 1.9 + 1.9)
 
     # Every change was one 1 GB step, each with its own quota event; never above the ceiling.
@@ -482,3 +484,46 @@ def test_fleet_flags_one_straggler_not_a_whole_pool_slowdown(
     ]
     assert all(api_worker(h, w.id)["fleet_outlier"] == [] for w in workers)
     assert [e["data"]["name"] for e in events_of(h, None, "alert")] == ["learner5_straggler_step_ms_mean"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="control/judge.py Judge._quotas plans against the pool's ceiling only: a worker whose own "
+    "memory_ceiling_gb was lowered (stuck episode) is planned above it, set_directive rejects the change, "
+    "and that phantom grant takes the headroom a peer could have used (and is reported in /v1/status)",
+)
+def test_quota_growth_respects_a_lowered_worker_ceiling_and_does_not_starve_peers(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    h = start(server_factory, tmp_path / "f2", JudgeConfig(quota_interval_s=0.1))
+    for dev in ("gpu-0", "gpu-1"):
+        h.admin.request("PUT", f"/v1/devices/{dev}", json={"id": dev, "node": "node-0", "memory_gb": 4.0})
+    h.admin.put_pool("pool-q", devices=["gpu-0", "gpu-1"], memory_base_gb=2, memory_ceiling_gb=4)
+    token = h.admin.create_token("pool-q")
+    a, b, c = (Beater(h, h.register("pool-q", token=token, role="learner", rank=i)) for i in range(3))
+    stuck = {"type": "anomaly", "data": {"kind": "episode_stuck", "reason": "collision", "count": 3}}
+    assert a.beat({}, [stuck])["directive"]["memory_ceiling_gb"] == 3.0  # A may use at most 3 GB now
+    a.ack_latest()
+
+    def round_(used_a: float, used_b: float) -> None:
+        a.beat({"memory_used_gb": used_a})
+        b.beat({"memory_used_gb": used_b})
+        c.beat({"memory_used_gb": 0.5})
+        for w in (a, b, c):
+            w.ack_latest()
+        time.sleep(BEAT_S)
+
+    # A grows to its own ceiling (3); the pool (8 GB) then has 1 GB of headroom left.
+    deadline = time.monotonic() + 5
+    while a.directive["memory_quota_gb"] < 3.0 and time.monotonic() < deadline:
+        round_(1.9, 0.5)
+    assert a.directive["memory_quota_gb"] == 3.0
+    # Now A presses against its ceiling and B needs more: the free gigabyte must go to B.
+    deadline = time.monotonic() + 1.5
+    while b.directive["memory_quota_gb"] < 3.0 and time.monotonic() < deadline:
+        round_(2.97, 1.8)
+    quotas = {w["id"]: w["directive"]["desired"]["memory_quota_gb"] for w in h.admin.workers(pool="pool-q")}
+    mem = next(p for p in h.admin.status()["pools"] if p["name"] == "pool-q")["memory"]
+    assert quotas[a.id] == 3.0
+    assert mem["granted_gb"] == sum(quotas.values()), (mem, quotas)  # the accounting is what was granted
+    assert quotas[b.id] == 3.0, quotas

@@ -182,10 +182,13 @@ def _breaker_reacted(run: DemoRun) -> bool:
         run.notes.append(
             f"breaker: rank 0 melted down on sync cost (median {over.get('median', 0):.0f} ms > cap "
             f"{over.get('cap', 0):g} ms); levels {' -> '.join(map(str, [0, *levels]))}"
-            + ("; back to level 0" if closed else "; not yet recovered")
+            + ("; back to level 0" if levels and levels[-1] == 0 else "; not yet recovered")
+            + (" and closed after a calm probe" if closed else "")
             + f"; other learners' breaker events: {len(others)}"
         )
-    return bool(melt) and not others and closed and levels[-1] == 0
+    # Level 0 again is the recovery; the breaker closes one calm probe period later, which a run that
+    # reaches its target early may not live to see.
+    return bool(melt) and not others and bool(levels) and levels[-1] == 0
 
 
 def _stuck_alerted(run: DemoRun) -> bool:

@@ -263,7 +263,7 @@ def test_back_to_back_windows_emit_stop_then_start() -> None:
 
 
 def test_poll_skips_faults_for_other_ranks() -> None:
-    chaos, clock, events = make("sync_delay_ms=100,rank=1; grad_spike=2", rank=0)
+    chaos, _, events = make("sync_delay_ms=100,rank=1; grad_spike=2", rank=0)
     chaos.poll(events.append)
     assert [e["fault"] for e in events] == ["grad_spike=2.0"]
 
