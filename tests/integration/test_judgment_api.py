@@ -486,12 +486,6 @@ def test_fleet_flags_one_straggler_not_a_whole_pool_slowdown(
     assert [e["data"]["name"] for e in events_of(h, None, "alert")] == ["learner5_straggler_step_ms_mean"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="control/judge.py Judge._quotas plans against the pool's ceiling only: a worker whose own "
-    "memory_ceiling_gb was lowered (stuck episode) is planned above it, set_directive rejects the change, "
-    "and that phantom grant takes the headroom a peer could have used (and is reported in /v1/status)",
-)
 def test_quota_growth_respects_a_lowered_worker_ceiling_and_does_not_starve_peers(
     server_factory: Callable[..., Harness], tmp_path: Path
 ) -> None:

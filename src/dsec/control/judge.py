@@ -126,7 +126,10 @@ class Judge:
         return b
 
     def breaker_state(self, w: LiveWorker, now: float) -> dict[str, Any]:
-        return self.breaker(w, now).to_dict()
+        b = self.breakers.get(w.id)
+        if b is None:  # not judged (yet, or any more): what it would resume at, without keeping it
+            b = Breaker.resumed(self.config.breaker, self.resume_levels.get(w.id, 0), now)
+        return b.to_dict()
 
     def forget(self, worker_id: str) -> None:
         for d in (self.breakers, self.guards, self.flags):
@@ -402,6 +405,7 @@ class Judge:
                     w.id,
                     _finite(w.metrics, "memory_used_gb"),
                     w.directive.fields.memory_quota_gb or pool.memory_base_gb,
+                    w.directive.fields.memory_ceiling_gb,
                 )
                 for w in ws
             ]

@@ -374,6 +374,7 @@ class ControlPlane:
         ev = Event(ts=now, type=EventType.DEREGISTERED, worker_id=w.id, pool=w.pool, data={"reason": reason})
         await self._commit(WriteBatch(workers=[row], events=[ev]))
         w.state = WorkerState.DEREGISTERED
+        self.judge.forget(w.id)  # a worker that left is judged no more
         return w.to_api()
 
     async def set_directive(

@@ -59,6 +59,8 @@ class WorkerMemory:
     worker_id: str
     used_gb: float | None
     quota_gb: float
+    # The worker's own ceiling when lower than the pool's (e.g. lowered for stuck episodes); None: the pool's.
+    ceiling_gb: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -67,6 +69,8 @@ class WorkerMemory:
         if self.used_gb is not None:
             _check_nonneg("used_gb", self.used_gb, context)
         _check_nonneg("quota_gb", self.quota_gb, context)
+        if self.ceiling_gb is not None:
+            _check_nonneg("ceiling_gb", self.ceiling_gb, context)
 
 
 @dataclass(frozen=True)
@@ -225,19 +229,20 @@ def _grow(
     config: QuotaConfig,
 ) -> None:
     """One step more for each worker near its quota, closest first, while the pool has room."""
-    candidates: list[tuple[float, str, float]] = []
+    candidates: list[tuple[float, str, float, float]] = []
     for w in workers:
         q = quota[w.worker_id]
+        own = ceiling if w.ceiling_gb is None else min(ceiling, w.ceiling_gb)
         # used > 0: a worker that uses nothing does not need more, even with a zero quota.
-        if w.used_gb is None or w.used_gb <= 0 or q >= ceiling:
+        if w.used_gb is None or w.used_gb <= 0 or q >= own:
             continue
         if w.used_gb >= config.grow_when_used_fraction * q:
             ratio = w.used_gb / q if q > 0 else math.inf
-            candidates.append((-ratio, w.worker_id, w.used_gb))
+            candidates.append((-ratio, w.worker_id, w.used_gb, own))
     granted = math.fsum(quota.values())
-    for _, wid, used in sorted(candidates):
+    for _, wid, used, own in sorted(candidates):
         old = quota[wid]
-        new = min(ceiling, old + config.step_gb)
+        new = min(own, old + config.step_gb)
         # A worker whose step does not fit is skipped; a smaller step (capped at the ceiling) may still.
         if granted + (new - old) <= usable + tol:
             quota[wid] = new

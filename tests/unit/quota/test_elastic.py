@@ -212,3 +212,13 @@ def test_repeated_plans_with_constant_usage_reach_a_fixed_point(
             break
         current = result.apply(current)
     assert plan(capacity, base, ceiling, current, config).changes == {}
+
+
+def test_growth_stops_at_a_workers_own_lower_ceiling_and_leaves_headroom_to_peers() -> None:
+    # A's ceiling was lowered to 3 (stuck episodes); B may still grow into the last free GB.
+    workers = [
+        WorkerMemory("a", used_gb=2.9, quota_gb=3.0, ceiling_gb=3.0),
+        WorkerMemory("b", used_gb=1.9, quota_gb=2.0),
+    ]
+    p = plan(6.0, 2.0, 4.0, workers)
+    assert p.changes == {"b": 3.0}
