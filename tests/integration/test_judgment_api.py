@@ -521,3 +521,31 @@ def test_quota_growth_respects_a_lowered_worker_ceiling_and_does_not_starve_peer
     assert quotas[a.id] == 3.0
     assert mem["granted_gb"] == sum(quotas.values()), (mem, quotas)  # the accounting is what was granted
     assert quotas[b.id] == 3.0, quotas
+
+
+# -- memory-pressure path of the breaker ------------------------------------------------------------------
+def test_memory_over_the_ceiling_degrades_through_accumulation_and_alerts_never_kills(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    h = start(server_factory, tmp_path / "mem", JudgeConfig(breaker=FAST_BREAKER))
+    b = Beater(h, h.register("pool-a", role="learner", rank=0))
+    over = {"memory_used_gb": 13.5}  # pool-a: base 7, ceiling 12
+    answer = b.beat_until(over, lambda a: a["directive"] is not None, timeout=5, what="memory-pressure directive")
+    d = answer["directive"]
+    # Level 1 on the memory path: accumulation (smaller micro-batches) and the quota held at the ceiling.
+    assert (d["compression_bits"], d["grad_accum_steps"], d["memory_quota_gb"]) == (4, 4, 12.0)
+    (melt,) = events_of(h, b.id, "meltdown")
+    assert set(melt["data"]["evidence"]["over"]) == {"memory_gb"}
+    assert melt["data"]["evidence"]["over"]["memory_gb"]["cap"] == 12.0
+    assert [e["data"]["name"] for e in events_of(h, b.id, "alert")] == ["learner0_meltdown_memory_gb"]
+    assert api_worker(h, b.id)["state"] == "active"
+
+    # Usage back under the ceiling by the hysteresis margin: it steps down to level 0 (the worker acks
+    # every directive it gets, as the probe does).
+    def recovered(_answer: dict[str, Any]) -> bool:
+        b.ack_latest()
+        return bool(api_worker(h, b.id)["breaker"]["phase"] == "closed")
+
+    b.beat_until({"memory_used_gb": 6.0}, recovered, timeout=15, what="memory path recovered")
+    final = api_worker(h, b.id)["directive"]["desired"]
+    assert (final["compression_bits"], final["grad_accum_steps"]) == (32, 1)
