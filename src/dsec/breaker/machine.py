@@ -5,7 +5,7 @@ ceiling. When any of them is exceeded *sustainedly* the worker degrades one leve
 ``ladder.py``); it never gets killed. Rules, and why:
 
 * **Evidence, not a sample.** OVERLOAD needs ``min_samples`` samples inside the last ``window_s`` of
-  which at least ``overload_fraction`` exceed a cap. One slow sync is noise (the probe reports sharp
+  which at least ``overload_fraction`` exceed a cap, the newest one included. One slow sync is noise (the probe reports sharp
   spikes separately as anomalies).
 * **Fresh evidence per level.** Each escalation issues a directive and waits for its ack; samples up to
   and including the beat that carried the ack are discarded, so the next level is justified only by
@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsec.breaker.ladder import MAX_LEVEL
@@ -165,7 +165,12 @@ class Breaker:
     meltdowns: int = 0
     relapses: int = 0
     causes: tuple[str, ...] = ()
-    _samples: deque[Sample] = field(default_factory=deque, repr=False)
+    # (ts, finite signal values) per sample: the values are extracted once, not per decision.
+    _samples: deque[tuple[float, dict[str, float]]] = field(default_factory=deque, repr=False)
+    _undo: Breaker | None = field(default=None, repr=False, compare=False)
+    # Whether the newest sample exceeds a cap: overload also requires "still over now", which keeps
+    # the healthy heartbeat path O(1) (the window is only scanned when it can matter).
+    _latest_over: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.wait_s:
@@ -183,11 +188,14 @@ class Breaker:
     def observe(self, sample: Sample, caps: Caps) -> None:
         if sample.ts <= self.evidence_since:
             return
-        self._samples.append(sample)
+        values = sample.values()
+        limits = caps.limits()
+        self._latest_over = any(v > limits[k] for k, v in values.items() if k in limits)
+        self._samples.append((sample.ts, values))
         horizon = sample.ts - self.config.window_s  # calm is tracked by calm_since, not by samples
-        while self._samples and self._samples[0].ts < horizon:
+        while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
-        if self._is_calm(sample, caps):
+        if self._is_calm(values, caps):
             if self.calm_since is None:
                 self.calm_since = sample.ts
                 self.calm_count = 0
@@ -203,6 +211,7 @@ class Breaker:
 
     def _fresh(self, now: float) -> None:
         self.evidence_since = now
+        self._latest_over = False
         self._samples.clear()
         self.calm_since = None
         self.calm_count = 0
@@ -216,6 +225,8 @@ class Breaker:
         row = TRANSITIONS.get((self.phase, trigger, at_bound))
         if row is None:
             return None
+        # What the caller restores if it cannot publish this decision (e.g. the store is down).
+        self._undo = replace(self, _samples=self._samples.copy(), _undo=None)
         after, action = row
         before, level_before = self.phase, self.level
         meltdown = relapse = False
@@ -247,10 +258,12 @@ class Breaker:
             if acked_version >= self.awaiting_version:
                 return Trigger.ACKED, {"acked_version": acked_version}
             return None, {}
-        window = [s for s in self._samples if s.ts > now - self.config.window_s]
-        over = self._overload(window, caps)
-        if over is not None:
-            return Trigger.OVERLOAD, over
+        if self._latest_over and len(self._samples) >= self.config.min_samples:
+            start = now - self.config.window_s
+            window = [v for ts, v in self._samples if ts > start]
+            over = self._overload(window, caps)
+            if over is not None:
+                return Trigger.OVERLOAD, over
         if self.calm_since is not None and self.calm_count >= self.config.min_samples:
             calm_for = now - self.calm_since
             if calm_for >= self.wait_s:
@@ -263,13 +276,13 @@ class Breaker:
                 }
         return None, {}
 
-    def _overload(self, window: list[Sample], caps: Caps) -> dict[str, Any] | None:
+    def _overload(self, window: list[dict[str, float]], caps: Caps) -> dict[str, Any] | None:
         if len(window) < self.config.min_samples:
             return None
         limits = caps.limits()
         over: dict[str, dict[str, float]] = {}
         for name, cap in limits.items():
-            values = [v[name] for v in (s.values() for s in window) if name in v]
+            values = [v[name] for v in window if name in v]
             if len(values) < self.config.min_samples:
                 continue
             exceeding = [x for x in values if x > cap]
@@ -286,9 +299,13 @@ class Breaker:
         since = self.evidence_since if math.isfinite(self.evidence_since) else None
         return {"over": over, "window_s": self.config.window_s, "evidence_since": since}
 
-    def _is_calm(self, sample: Sample, caps: Caps) -> bool:
+    def _is_calm(self, values: dict[str, float], caps: Caps) -> bool:
         limits = caps.limits()
-        return all(v < limits[k] * (1 - self.config.margin) for k, v in sample.values().items() if k in limits)
+        return all(v < limits[k] * (1 - self.config.margin) for k, v in values.items() if k in limits)
+
+    def undo(self) -> Breaker | None:
+        """The state before the last transition (None when there was none)."""
+        return self._undo
 
     def to_dict(self) -> dict[str, Any]:
         return {

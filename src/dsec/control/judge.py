@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dsec.alerts import Alert, AlertRouter, Severity
@@ -143,17 +143,18 @@ class Judge:
         worker_events: Sequence[Event],
         acked_version: int,
         now: float,
-    ) -> tuple[Verdict, Breaker]:
-        """Decide for one beat. Returns the verdict and the breaker's state *before* it (to restore if
-        the verdict cannot be committed)."""
+    ) -> tuple[Verdict, Breaker | None]:
+        """Decide for one beat. Returns the verdict and, when the breaker moved, its state before (to
+        restore if the verdict cannot be committed)."""
         verdict = Verdict()
         b = self.breaker(w, now)
-        saved = replace(b, _samples=b._samples.copy())
         caps = self.caps_for(w)
         if metrics:
             b.observe(sample_from(metrics, now), caps)
         t = b.decide(now, caps, acked_version)
+        saved = None
         if t is not None:
+            saved = b.undo()
             self._breaker_transition(w, t, caps, now, verdict)
         for ev in worker_events:
             if ev.type is EventType.ANOMALY:
@@ -171,8 +172,9 @@ class Judge:
         if verdict.breaker_issued:
             self.breakers[w.id].issued(version, now)
 
-    def restore(self, w: LiveWorker, saved: Breaker) -> None:
-        self.breakers[w.id] = saved
+    def restore(self, w: LiveWorker, saved: Breaker | None) -> None:
+        if saved is not None:
+            self.breakers[w.id] = saved
 
     def _breaker_transition(self, w: LiveWorker, t: Transition, caps: Caps, now: float, verdict: Verdict) -> None:
         b = self.breakers[w.id]
