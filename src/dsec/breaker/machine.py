@@ -5,8 +5,8 @@ ceiling. When any of them is exceeded *sustainedly* the worker degrades one leve
 ``ladder.py``); it never gets killed. Rules, and why:
 
 * **Evidence, not a sample.** OVERLOAD needs ``min_samples`` samples inside the last ``window_s`` of
-  which at least ``overload_fraction`` exceed a cap, the newest one included. One slow sync is noise (the probe reports sharp
-  spikes separately as anomalies).
+  which at least ``overload_fraction`` exceed a cap, the newest one included. One slow sync is noise
+  (the probe reports sharp spikes separately as anomalies).
 * **Fresh evidence per level.** Each escalation issues a directive and waits for its ack; samples up to
   and including the beat that carried the ack are discarded, so the next level is justified only by
   what the worker did *with* the previous level in force. Hence at most one level per acked directive.

@@ -179,8 +179,7 @@ class Judge:
     def _breaker_transition(self, w: LiveWorker, t: Transition, caps: Caps, now: float, verdict: Verdict) -> None:
         b = self.breakers[w.id]
         if t.action is not Action.NONE:
-            pool = self.state.pools.get(w.pool)
-            patch = fields_for(t.level_after, b.causes, caps.memory_gb if pool else None)
+            patch = fields_for(t.level_after, b.causes, caps.memory_gb)
             verdict.add("breaker", patch)
             verdict.breaker_issued = True
         etype = EventType.MELTDOWN if t.meltdown else EventType.RECOVERED if t.after.value == "closed" else None
@@ -360,15 +359,13 @@ class Judge:
                         )
                     )
                 self.flags[w.id] = set(now_flags)
-            self._pool_slowdown(pool_name, ws, report, now, events)
+            self._pool_slowdown(pool_name, ws, now, events)
 
     @staticmethod
     def _features(metrics: Mapping[str, Any]) -> dict[str, float]:
         return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-    def _pool_slowdown(
-        self, pool_name: str, ws: list[LiveWorker], report: Any, now: float, events: list[Event]
-    ) -> None:
+    def _pool_slowdown(self, pool_name: str, ws: list[LiveWorker], now: float, events: list[Event]) -> None:
         """Every peer over the latency cap at once is the pool's network or backend, not one bad worker:
         one pool-level alert (the breakers still degrade each worker over its cap)."""
         pool = self.state.pools.get(pool_name)
