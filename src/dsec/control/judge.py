@@ -24,7 +24,7 @@ from dsec.alerts import Alert, AlertRouter, Severity
 from dsec.breaker import Action, Breaker, BreakerConfig, Caps, Sample, Transition, fields_for
 from dsec.health.fleet import FleetConfig, PeerSample, compare
 from dsec.health.interventions import PrecisionGuard, agent_name, stuck_episode
-from dsec.model import Event, EventType, Pool, WorkerState
+from dsec.model import Event, EventType, Pool, PoolThresholds, WorkerState
 from dsec.quota import PoolMemory, QuotaConfig, WorkerMemory, plan
 
 if TYPE_CHECKING:
@@ -111,10 +111,12 @@ class Judge:
     def caps_for(self, w: LiveWorker) -> Caps:
         pool = self.state.pools.get(w.pool)
         f = w.directive.fields
-        bw = f.bandwidth_cap_mbps or (pool.thresholds.bandwidth_cap_mbps if pool else 128.0)
-        lat = f.latency_cap_ms or (pool.thresholds.latency_cap_ms if pool else 85.0)
-        ceiling = f.memory_ceiling_gb or (pool.memory_ceiling_gb if pool else None)
-        return Caps(bandwidth_mbps=bw, latency_ms=lat, memory_gb=ceiling)
+        th = pool.thresholds if pool else PoolThresholds()
+        return Caps(
+            bandwidth_mbps=f.bandwidth_cap_mbps or th.bandwidth_cap_mbps,
+            latency_ms=f.latency_cap_ms or th.latency_cap_ms,
+            memory_gb=f.memory_ceiling_gb or (pool.memory_ceiling_gb if pool else None),
+        )
 
     def breaker(self, w: LiveWorker, now: float) -> Breaker:
         b = self.breakers.get(w.id)
@@ -163,7 +165,7 @@ class Judge:
         if isinstance(grad_norm, (int, float)) and not isinstance(grad_norm, bool):
             guard = self._guard(w)
             decision = guard.observe(float(grad_norm), w.directive.fields.precision, now)
-            if decision is not None and math.isfinite(grad_norm):
+            if decision is not None:
                 self._precision(w, decision, now, verdict)
         return verdict, saved
 
@@ -186,14 +188,13 @@ class Judge:
         data = {"kind": "breaker", **t.to_dict(), "caps": caps.limits()}
         verdict.events.append(Event(ts=now, type=etype or EventType.BREAKER, worker_id=w.id, pool=w.pool, data=data))
         if t.meltdown:
-            self.state.worker_meltdowns[w.id] += 1
-            over = ", ".join(sorted(t.evidence.get("over", {})))
+            causes = sorted(t.evidence.get("over", {}))
             self._alert(
-                verdict,
+                verdict.events,
                 w,
-                f"{self._agent(w)}_meltdown_{'_'.join(sorted(t.evidence.get('over', {}))) or 'overload'}",
+                f"{self._agent(w)}_meltdown_{'_'.join(causes) or 'overload'}",
                 Severity.WARNING,
-                f"breaker opened on {over}: degraded to level 1",
+                f"breaker opened on {', '.join(causes)}: degraded to level 1",
                 data,
                 now,
             )
@@ -214,7 +215,7 @@ class Judge:
                 int(count) if isinstance(count, int) else 0,
             )
             verdict.add("stuck_episode", d.patch)
-            self._alert(verdict, w, d.alert, Severity.WARNING, "consecutive interrupted episodes", d.data, now)
+            self._alert(verdict.events, w, d.alert, Severity.WARNING, "consecutive interrupted episodes", d.data, now)
         elif kind == "non_finite_gradient":
             decision = self._guard(w).instability(
                 "non_finite_gradient", w.directive.fields.precision, now, {"grad_norm": ev.data.get("grad_norm")}
@@ -223,7 +224,7 @@ class Judge:
                 self._precision(w, decision, now, verdict)
             else:
                 self._alert(
-                    verdict,
+                    verdict.events,
                     w,
                     f"{self._agent(w)}_non_finite_gradient",
                     Severity.CRITICAL,
@@ -248,7 +249,13 @@ class Judge:
         verdict.add("precision_fallback", patch)
         name = f"{self._agent(w)}_precision_fallback_{data['from']}_to_{data['to']}"
         self._alert(
-            verdict, w, name, Severity.WARNING, f"{data['kind']}: precision {data['from']} -> {data['to']}", data, now
+            verdict.events,
+            w,
+            name,
+            Severity.WARNING,
+            f"{data['kind']}: precision {data['from']} -> {data['to']}",
+            data,
+            now,
         )
 
     def _agent(self, w: LiveWorker) -> str:
@@ -256,7 +263,7 @@ class Judge:
 
     def _alert(
         self,
-        verdict: Verdict | list[Event],
+        events: list[Event],
         w: LiveWorker | None,
         name: str,
         severity: Severity,
@@ -272,7 +279,7 @@ class Judge:
             pool=w.pool if w else pool,
             data={"name": name, "severity": severity.value, "summary": summary, **data},
         )
-        (verdict.events if isinstance(verdict, Verdict) else verdict).append(ev)
+        events.append(ev)
 
     def route(self, ev: Event) -> None:
         """Hand a recorded alert event to the sinks (after it was committed)."""

@@ -70,7 +70,7 @@ class ControlPlane:
             repeat_interval_s=settings.alert_repeat_interval_s,
         )
         self.judge = Judge(self.state, settings.judge, self.alerts)
-        self.judge.resume_levels = self._breaker_levels()
+        self.judge.resume_levels = self._resume_levels
 
     # -- startup -----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -94,20 +94,15 @@ class ControlPlane:
                 st.pool_token_hashes[tok.token_hash] = tok.pool
         if self.settings.admin_token:
             st.admin_token_hashes.add(auth.hash_token(self.settings.admin_token))
-        for ev in self._iter_events(EventType.MELTDOWN):
-            if ev.pool:
-                st.meltdowns[ev.pool] += 1
-            if ev.worker_id:
-                st.worker_meltdowns[ev.worker_id] += 1
-
-    def _breaker_levels(self) -> dict[str, int]:
-        """Each worker's breaker level after its last recorded transition (events are in id order)."""
+        # One pass over the breaker history: meltdown counters, and each worker's level after its last
+        # recorded transition (events come in id order) for the breakers to resume at.
         levels: dict[str, int] = {}
         for ev in self._iter_events(EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
+            self._count(ev)
             level = ev.data.get("level_to")
             if ev.worker_id and ev.data.get("kind") == "breaker" and isinstance(level, int):
                 levels[ev.worker_id] = level
-        return {w: lvl for w, lvl in levels.items() if lvl > 0}
+        self._resume_levels = {w: lvl for w, lvl in levels.items() if lvl > 0}
 
     def _iter_events(self, *etypes: EventType) -> Iterable[Event]:
         after = 0
@@ -139,14 +134,21 @@ class ControlPlane:
 
     def _observe_events(self, events: Iterable[Event]) -> None:
         for ev in events:
-            if ev.type is EventType.MELTDOWN and ev.pool:
-                self.state.meltdowns[ev.pool] += 1
-            elif ev.type is EventType.ALERT:
+            self._count(ev)
+            if ev.type is EventType.ALERT:
                 self.judge.route(ev)
             elif ev.type is EventType.RESTORE and ev.pool:
                 restore_s = ev.data.get("restore_s")
                 if isinstance(restore_s, (int, float)):
                     self.state.last_recovery_s[ev.pool] = float(restore_s)
+
+    def _count(self, ev: Event) -> None:
+        """Meltdown counters, per pool and per worker: from committed events only (also at startup)."""
+        if ev.type is EventType.MELTDOWN:
+            if ev.pool:
+                self.state.meltdowns[ev.pool] += 1
+            if ev.worker_id:
+                self.state.worker_meltdowns[ev.worker_id] += 1
 
     # -- auth --------------------------------------------------------------------------------
     def is_admin(self, token: str | None) -> bool:
@@ -300,7 +302,7 @@ class ControlPlane:
                 last_beat_at=now,
                 state=WorkerState.ACTIVE.value,
                 beats=w.beats + 1,
-                acked_version=max(w.acked_version, req.acked_directive_version),
+                acked_version=acked,
                 metrics=metrics,
             )
             try:
@@ -346,10 +348,10 @@ class ControlPlane:
         except ModelError:
             log.exception("judgment produced an invalid directive for %s: %s", w.id, verdict.patch)
             return None
-        if fields == w.directive.fields:
-            # Nothing to change, but a breaker waiting for an ack of an identical directive is satisfied
-            # by the version already in force.
-            return Directive(w.id, w.directive.version + 1, fields, now) if verdict.breaker_issued else None
+        if fields == w.directive.fields and not verdict.breaker_issued:
+            return None
+        # An unchanged directive still gets a new version when the breaker issued it: the breaker moves
+        # on only once the worker acks a version carrying its level.
         return Directive(worker_id=w.id, version=w.directive.version + 1, fields=fields, updated_at=now)
 
     @staticmethod
