@@ -9,11 +9,13 @@ thread (server, writer, reporter) running.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +203,38 @@ def server(server_factory: Callable[..., Harness]) -> Harness:
 def register_worker(server: Harness) -> Callable[..., Worker]:
     """``register_worker(pool="pool-a", **fields) -> Worker`` on the ``server`` fixture."""
     return server.register
+
+
+HttpHandler = Callable[[dict[str, str], bytes], tuple[int, Mapping[str, str], bytes]]
+
+
+@contextlib.contextmanager
+def http_receiver(handle: HttpHandler, path: str = "/hook") -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 answering every POST with ``handle(headers, body) -> (status,
+    extra headers, body)``; yields its URL and is shut down (thread joined) on exit."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            status, extra, payload = handle(dict(self.headers.items()), body)
+            self.send_response(status)
+            for k, v in extra.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="dsec-test-receiver")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}{path}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+        assert not thread.is_alive()

@@ -13,13 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import Harness, Worker, make_settings, wait_for
+from conftest import Harness, Worker, http_receiver, make_settings, wait_for
 from dsec.alerts import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, verify
 from dsec.breaker import BreakerConfig
 from dsec.client import Client
@@ -294,16 +293,16 @@ class Receiver:
     rejected: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def handle(self, headers: Mapping[str, str], body: bytes) -> int:
+    def handle(self, headers: Mapping[str, str], body: bytes) -> tuple[int, Mapping[str, str], bytes]:
         try:
             verify(self.secret, headers.get(TIMESTAMP_HEADER), headers.get(SIGNATURE_HEADER), body, now=time.time())
         except SignatureError as exc:
             with self.lock:
                 self.rejected.append(str(exc))
-            return 401
+            return 401, {}, b""
         with self.lock:
             self.notifications.append(json.loads(body))
-        return 200
+        return 200, {}, b""
 
     def received(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -313,30 +312,9 @@ class Receiver:
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     rcv = Receiver(secret="s3cret")
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            status = rcv.handle(dict(self.headers.items()), body)
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="test-receiver")
-    thread.start()
-    rcv.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
-    try:
+    with http_receiver(rcv.handle) as url:
+        rcv.url = url
         yield rcv
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-        assert not thread.is_alive()
 
 
 def test_alerts_reach_a_signed_webhook_once_despite_repeats(

@@ -7,13 +7,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
 import pytest
 
-from conftest import wait_for
+from conftest import http_receiver, wait_for
 from dsec.alerts import (
     DELIVERY_HEADER,
     EVENT_HEADER,
@@ -69,32 +68,9 @@ class Receiver:
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     rcv = Receiver()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            status, extra, payload = rcv.handle(dict(self.headers.items()), body)
-            self.send_response(status)
-            for k, v in extra.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="dsec-test-receiver")
-    thread.start()
-    rcv.url = f"http://127.0.0.1:{server.server_address[1]}/hooks/dsec"
-    try:
+    with http_receiver(rcv.handle, "/hooks/dsec") as url:
+        rcv.url = url
         yield rcv
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 @pytest.fixture
