@@ -154,15 +154,14 @@ class SyncCoordinator:
         return self._exchange(buf, params, last, start)
 
     # -- paths ----------------------------------------------------------------------------------------
-    def _header_onehot(self, dtype: torch.dtype, period_ms: float) -> tuple[torch.Tensor, float]:
+    def _header_onehot(self, dtype: torch.dtype, period_ms: float) -> torch.Tensor:
         import torch
 
-        entered = time.time()
         h = torch.zeros(HEADER_SLOTS * self.world, dtype=dtype)
         h[HEADER_SLOTS * self.rank] = self._my_desired[0]
         h[HEADER_SLOTS * self.rank + 1] = self._my_desired[1]
-        h[HEADER_SLOTS * self.rank + 2] = math.floor(entered * 1000.0) % period_ms
-        return h, entered
+        h[HEADER_SLOTS * self.rank + 2] = math.floor(time.time() * 1000.0) % period_ms  # arrival stamp
+        return h
 
     def _record_arrivals(self, stamps: list[float], period_ms: float | None, latency_s: float) -> None:
         """Lag and cost of this rank from every rank's arrival stamp (seconds, or ms on a circle)."""
@@ -185,8 +184,7 @@ class SyncCoordinator:
             send = send.clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
         period = STAMP_PERIOD_MS[bits]
         if last:
-            header, _ = self._header_onehot(send.dtype, period)
-            send = torch.cat((send, header))
+            send = torch.cat((send, self._header_onehot(send.dtype, period)))
         nbytes = send.numel() * send.element_size()
         work = self._c.all_reduce(send, group=self.pg, async_op=True)
         n = buf.numel()
