@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dsec.cli_snapshots import snapshots_app
 from dsec.client import Client, ClientError
 from dsec.yamlconf import ConfigError
 
@@ -23,6 +24,7 @@ token_app = typer.Typer(help="Manage API tokens.", no_args_is_help=True)
 directive_app = typer.Typer(help="Read and change worker directives.", no_args_is_help=True)
 app.add_typer(token_app, name="token")
 app.add_typer(directive_app, name="directive")
+app.add_typer(snapshots_app, name="snapshots")
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 220)
@@ -281,6 +283,13 @@ def run(
         str | None,
         typer.Option(help='Fault injection, e.g. "sync_delay_ms=200,rank=1,after_s=20,for_s=30"; default $DSEC_CHAOS.'),
     ] = None,
+    snapshot_dir: Annotated[
+        Path | None,
+        typer.Option(help="Snapshot store for the job's workers; default $DSEC_SNAPSHOT_DIR (off if unset)."),
+    ] = None,
+    restore: Annotated[
+        str | None, typer.Option(help="Restore each worker from its snapshot before training resumes: latest or N.")
+    ] = None,
 ) -> None:
     """Run COMMAND with the DSec probe injected into every Python process it starts: dsec run -- python train.py"""
     from dsec.probe.chaos import ChaosError
@@ -304,6 +313,8 @@ def run(
         ("DSEC_TOKEN", token),
         ("DSEC_ROLE", role),
         ("DSEC_CHAOS", chaos),
+        ("DSEC_SNAPSHOT_DIR", str(snapshot_dir) if snapshot_dir is not None else None),
+        ("DSEC_RESTORE", restore),
     ):
         if value is not None:
             settings[key] = value
@@ -313,6 +324,10 @@ def run(
         parse_chaos(env.get("DSEC_CHAOS") or "")
     except ChaosError as exc:
         raise _fail(exc, 2) from None
+    if restore is not None and restore != "latest" and not restore.isdigit():
+        raise _fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
+    if env.get("DSEC_RESTORE") and not env.get("DSEC_SNAPSHOT_DIR"):
+        raise _fail(ValueError("--restore needs --snapshot-dir (or DSEC_SNAPSHOT_DIR): where are the snapshots?"), 2)
     if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
         err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
     try:

@@ -107,6 +107,18 @@ class PoolThresholds:
         _check(self.latency_cap_ms > 0, "latency_cap_ms", self.latency_cap_ms, "> 0")
 
 
+SNAPSHOT_LEVELS = (0, 1, 2, 3)
+
+
+def _check_level(level: Any) -> None:
+    _check(
+        isinstance(level, int) and not isinstance(level, bool) and level in SNAPSHOT_LEVELS,
+        "snapshot_compression_level",
+        level,
+        f"one of {list(SNAPSHOT_LEVELS)}",
+    )
+
+
 @dataclass(frozen=True)
 class Pool:
     """A sandbox pool: a set of devices and the limits its workers run under."""
@@ -117,6 +129,7 @@ class Pool:
     memory_base_gb: float = 7.0
     memory_ceiling_gb: float = 12.0
     snapshot_interval_s: float = 90.0
+    snapshot_compression_level: int = 2  # dsec.snapshot modes: 0 lossless .. 3 q4-lite
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", self.name, "a non-empty pool name")
@@ -129,6 +142,7 @@ class Pool:
             f">= memory_base_gb ({self.memory_base_gb:g})",
         )
         _check(self.snapshot_interval_s > 0, "snapshot_interval_s", self.snapshot_interval_s, "> 0")
+        _check_level(self.snapshot_compression_level)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -141,6 +155,7 @@ class Pool:
             "memory_base_gb": self.memory_base_gb,
             "memory_ceiling_gb": self.memory_ceiling_gb,
             "snapshot_interval_s": self.snapshot_interval_s,
+            "snapshot_compression_level": self.snapshot_compression_level,
         }
 
     @classmethod
@@ -153,6 +168,7 @@ class Pool:
             memory_base_gb=float(data.get("memory_base_gb", 7.0)),
             memory_ceiling_gb=float(data.get("memory_ceiling_gb", 12.0)),
             snapshot_interval_s=float(data.get("snapshot_interval_s", 90.0)),
+            snapshot_compression_level=int(data.get("snapshot_compression_level", 2)),
         )
 
 
@@ -211,6 +227,7 @@ class DirectiveFields:
     precision: str = "fp32"
     snapshot_interval_s: float | None = None
     snapshot_now: str | None = None  # request id; a new id asks for one more snapshot
+    snapshot_compression_level: int | None = None  # None: the pool's level
     sync_priority: int = 0
     target_device: str | None = None
     # Per-worker breaker caps; None: the pool's thresholds apply.
@@ -261,6 +278,8 @@ class DirectiveFields:
                 self.snapshot_interval_s,
                 "1..86400 seconds",
             )
+        if self.snapshot_compression_level is not None:
+            _check_level(self.snapshot_compression_level)
         if self.memory_quota_gb is not None and self.memory_ceiling_gb is not None:
             _check(
                 self.memory_ceiling_gb >= self.memory_quota_gb,
@@ -294,6 +313,7 @@ class DirectiveFields:
             memory_quota_gb=pool.memory_base_gb,
             memory_ceiling_gb=pool.memory_ceiling_gb,
             snapshot_interval_s=pool.snapshot_interval_s,
+            snapshot_compression_level=pool.snapshot_compression_level,
         )
 
 

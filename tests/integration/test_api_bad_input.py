@@ -265,6 +265,7 @@ def test_non_finite_query_parameters_are_422(api: Api) -> None:
         pytest.param({"memory_ceiling_gb": 4097}, "memory_ceiling_gb", id="ceiling-above-max"),
         pytest.param({"snapshot_interval_s": 0}, "snapshot_interval_s", id="snapshot-zero"),
         pytest.param({"snapshot_interval_s": 1e9}, "snapshot_interval_s", id="snapshot-absurd"),
+        pytest.param({"snapshot_compression_level": 7}, "snapshot_compression_level", id="snapshot-level"),
         pytest.param(
             {"thresholds": {"bandwidth_cap_mbps": -5}}, "thresholds.bandwidth_cap_mbps", id="bandwidth-negative"
         ),
@@ -668,6 +669,8 @@ def test_unknown_event_type_is_422(api: Api, worker: Worker) -> None:
         pytest.param({"memory_quota_gb": -1}, "memory_quota_gb", id="quota-negative"),
         pytest.param({"memory_quota_gb": 1e9}, "memory_quota_gb", id="quota-absurd"),
         pytest.param({"snapshot_interval_s": 0.5}, "snapshot_interval_s", id="snapshot-short"),
+        pytest.param({"snapshot_compression_level": -1}, "snapshot_compression_level", id="snapshot-level"),
+        pytest.param({"snapshot_compression_level": 1.5}, "snapshot_compression_level", id="snapshot-level-float"),
         pytest.param({"target_device": "bad device"}, "target_device", id="device-pattern"),
         pytest.param({"async_sampling": "maybe"}, "async_sampling", id="async-str"),
         pytest.param({"memory_quota_gb": 10, "memory_ceiling_gb": 5}, "memory_ceiling_gb", id="ceiling<quota"),

@@ -47,6 +47,7 @@ def test_model_error_is_a_value_error() -> None:
         ({"memory_base_gb": 10.0, "memory_ceiling_gb": 5.0}, "memory_ceiling_gb"),
         ({"snapshot_interval_s": 0.0}, "snapshot_interval_s"),
         ({"snapshot_interval_s": -1.0}, "snapshot_interval_s"),
+        ({"snapshot_compression_level": 4}, "snapshot_compression_level"),
     ],
 )
 def test_pool_validation_names_the_field(kwargs: dict[str, Any], field: str) -> None:
@@ -157,6 +158,7 @@ def test_device_round_trips_through_dict() -> None:
         ({"memory_quota_gb": 8.0, "memory_ceiling_gb": 4.0}, "memory_ceiling_gb"),
         ({"snapshot_interval_s": 0.5}, "snapshot_interval_s"),
         ({"snapshot_interval_s": 86401.0}, "snapshot_interval_s"),
+        ({"snapshot_compression_level": True}, "snapshot_compression_level"),
         ({"snapshot_interval_s": math.inf}, "snapshot_interval_s"),
         ({"snapshot_interval_s": math.nan}, "snapshot_interval_s"),
     ],

@@ -61,6 +61,7 @@ def pool_from_spec(name: str, spec: Any) -> Pool:
         memory_base_gb=spec.memory_base_gb,
         memory_ceiling_gb=spec.memory_ceiling_gb,
         snapshot_interval_s=spec.snapshot_interval_s,
+        snapshot_compression_level=spec.snapshot_compression_level,
     )
 
 

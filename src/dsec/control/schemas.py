@@ -42,6 +42,7 @@ class PoolUpdate(Strict):
     memory_base_gb: MemoryGB = 7.0
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
+    snapshot_compression_level: int = Field(2, ge=0, le=3)
 
     @field_validator("memory_ceiling_gb")
     @classmethod
@@ -159,6 +160,7 @@ class DirectivePatch(Strict):
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     snapshot_interval_s: float | None = Field(None, ge=1, le=86400)
     snapshot_now: str | None = Field(None, max_length=128)
+    snapshot_compression_level: int | None = Field(None, ge=0, le=3)
     sync_priority: int | None = Field(None, ge=-10, le=10)
     target_device: Name | None = None
     # Per-worker breaker caps; null returns the worker to its pool's thresholds.

@@ -36,6 +36,7 @@ from dsec.control.app import create_app
 from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
+from dsec.demo import snapshots as snapshot_scenes
 from dsec.render import events_table, pools_table, workers_table
 
 POOL = "pool-0"
@@ -235,6 +236,12 @@ SCENES = [
     ),
     Scene("liveness: a worker killed -9 becomes 'lost'", 0.3, _kill_actor, _actor_lost),
     Scene("Prometheus /metrics carries the four headline gauges per pool", 0.45, _scrape, _scraped),
+    Scene(
+        "state snapshots: learners snapshot on request and every 3 s, in the background",
+        0.1,
+        snapshot_scenes.request_snapshots,
+        snapshot_scenes.snapshots_taken,
+    ),
 ]
 
 
@@ -294,6 +301,8 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
             f"{ppo.get('updates')} updates, {ppo.get('seconds', 0):.1f} s"
             + (" — reached 475" if ppo.get("reached") else ""),
         )
+    for key, value in snapshot_scenes.summary_rows(run):
+        t.add_row(key, value)
     metrics_text = run.state.get("metrics_text", "")
     for name in HEADLINE_METRICS:
         line = next((ln for ln in metrics_text.splitlines() if ln.startswith(f'{name}{{pool="{POOL}"}}')), None)
@@ -339,6 +348,7 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }
+        snapshot_dir = home / "snapshots"
         env.pop("DSEC_HOME", None)
         ppo = [
             sys.executable,
@@ -353,7 +363,8 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             "0",
         ]
         chaos = chaos_for_learners(duration_s)
-        procs.append(_spawn("learners", "learner", ppo, {**env, "DSEC_CHAOS": chaos}, home))
+        learner_env = {**env, "DSEC_CHAOS": chaos, "DSEC_SNAPSHOT_DIR": str(snapshot_dir)}
+        procs.append(_spawn("learners", "learner", ppo, learner_env, home))
         # The actor outlives the learners: the demo kills it (the liveness scene), whatever the machine's speed.
         actor_s = str(duration_s + 120)
         actor = [sys.executable, "-m", "dsec.demo.workload", actor_s]
@@ -398,12 +409,24 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             # running learners then fail their check, visibly).
             for scene in pending:
                 scene.act(run)
+            learners_ok = all(p.popen.wait(timeout=30) == 0 for p in procs if p.role == "learner")
             # Give the control plane a beat to notice the last deregistrations.
             time.sleep(2 * HEARTBEAT_S)
             scenes_ok = {s.title: s.check(run) for s in SCENES}
-            learners_ok = all(p.popen.wait(timeout=30) == 0 for p in procs if p.role == "learner")
-            scenes_ok["training processes finished cleanly"] = learners_ok
+            # Restart the learners from their newest snapshots, as a launcher would after a failure (no chaos).
+            restart = [a if a != str(duration_s) else "4" for a in ppo]
+            console.print("restarting the learners with `dsec run --restore latest` (4 s of training)")
+            restart_env = {**learner_env, "DSEC_RESTORE": "latest"}
+            restart_env.pop("DSEC_CHAOS")
+            again = _spawn("learners-restored", "learner", restart, restart_env, home)
+            procs.append(again)
+            restart_ok = again.popen.wait(timeout=120) == 0
             run.state["ppo"] = _ppo_result(procs[0])
+            keeps_learning = snapshot_scenes.keeps_learning(run, run.state["ppo"], _ppo_result(again))
+            scenes_ok["restart from snapshots: each learner restored (verified), PPO return does not collapse"] = (
+                restart_ok and snapshot_scenes.restored(run) and keeps_learning
+            )
+            scenes_ok["training processes finished cleanly"] = learners_ok
             console.print(pools_table(client.status()))
             console.print(_summary(run, scenes_ok, time.time() - start))
             code = 0 if all(scenes_ok.values()) else 1

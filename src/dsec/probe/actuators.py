@@ -47,6 +47,7 @@ class Actuators:
         self.precision = "fp32"
         self.snapshot_interval_s: float | None = None
         self.snapshot_now: str | None = None
+        self.snapshot_compression_level: int | None = None
         self.sync_priority = 0
         self._sampling = threading.Event()
         self._sampling.set()
@@ -67,6 +68,7 @@ class Actuators:
         self.precision = str(directive.get("precision") or "fp32")
         self.snapshot_interval_s = directive.get("snapshot_interval_s")
         self.snapshot_now = directive.get("snapshot_now")
+        self.snapshot_compression_level = directive.get("snapshot_compression_level")
         self.sync_priority = int(directive.get("sync_priority") or 0)
         self._apply_memory_quota()
         with self._lock:

@@ -14,6 +14,9 @@ DSEC_HEARTBEAT_INTERVAL    seconds between beats                                
 DSEC_COMPRESSION_BITS      gradient compression when no directive asks (32/16/8/4) 32
 DSEC_INTERRUPT_KEYS        info keys marking an interrupted episode (comma list) collision,crash,interrupted
 DSEC_STUCK_EPISODES        consecutive interrupted episodes that raise an alert  3
+DSEC_SNAPSHOT_DIR          snapshot store (snapshots off without it)             -
+DSEC_RESTORE               latest | N: restore before training resumes          -
+DSEC_SNAPSHOT_NAME         the worker's name in the snapshot store              <group>-<role>-<rank>
 RANK                       torch.distributed rank (also learned from init)       0
 =========================  ====================================================  =========
 

@@ -21,6 +21,7 @@ from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
 from dsec.probe.reporter import Reporter
+from dsec.probe.snapshots import ProbeSnapshots
 from dsec.probe.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Probe:
         self._pending_events: list[tuple[str, dict[str, Any]]] = []
         self.activities: set[str] = set()
         self.chaos: Chaos | None = None
+        self.snapshots: ProbeSnapshots | None = ProbeSnapshots.from_env(self)
         try:
             self.chaos = Chaos.from_env(os.environ.get("DSEC_CHAOS"), rank=lambda: self._rank)
         except ChaosError as exc:
@@ -189,7 +191,16 @@ class Probe:
     def autocast(self, device_type: str = "cpu") -> AbstractContextManager[None]:
         return self.actuators.autocast(device_type)
 
+    @property
+    def rank(self) -> int:
+        return self._rank if self._rank is not None else _env_rank()
+
     def close(self) -> None:
+        if self.snapshots is not None:
+            try:
+                self.snapshots.close()  # publishes the snapshot in flight; its event goes with the last beat
+            except Exception:
+                log.exception("dsec: closing the snapshotter failed")
         if self._reporter is not None:
             self._reporter.close()
         if "distributed" in self.activities:

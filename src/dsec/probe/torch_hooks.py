@@ -188,6 +188,7 @@ class TorchInstrumentation:
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not getattr(self, "_dsec_hooked", True):
                 inst._install_coordinator(self, original_register)
+            inst._snapshots("before_forward")
             return original_forward(self, *args, **kwargs)
 
         original_init = ddp_cls.__init__  # type: ignore[misc]
@@ -196,6 +197,7 @@ class TorchInstrumentation:
             original_init(self, *args, **kwargs)
             self._dsec_hooked = False
             inst.probe.activity("ddp")
+            inst._snapshots("on_module", self)
 
         self._patch(ddp_cls, "__init__", init)
         self._patch(ddp_cls, "register_comm_hook", register_comm_hook)
@@ -233,6 +235,8 @@ class TorchInstrumentation:
                 if what == "step":
                     inst.probe.telemetry.record_skipped_update()
                 return None
+            if what == "step" and inst._snapshots("before_step"):
+                return None  # restored just now: this step's gradient belongs to the weights before the restore
             return fn(*args, **kwargs)
 
         return gated
@@ -243,6 +247,7 @@ class TorchInstrumentation:
         @functools.wraps(fn)
         def init(opt: Any, *args: Any, **kwargs: Any) -> None:
             fn(opt, *args, **kwargs)
+            inst._snapshots("on_optimizer", opt)
             # Instance attributes shadow the class's step/zero_grad: only while accumulating do they
             # skip. They stay bound methods because LR schedulers re-wrap ``opt.step.__func__``.
             for name, what in (("step", "step"), ("zero_grad", "zero_grad")):
@@ -278,6 +283,18 @@ class TorchInstrumentation:
             norm = _grad_norm(opt)
         self._clip_norm = None
         self.probe.telemetry.record_update(time.perf_counter() - start, norm)
+        self._snapshots("after_step")
+
+    def _snapshots(self, hook: str, *args: Any) -> Any:
+        """Call a snapshot hook; a failure there is logged and never reaches the training code."""
+        snaps = self.probe.snapshots
+        if snaps is None:
+            return None
+        try:
+            return getattr(snaps, hook)(*args)
+        except Exception:
+            log.exception("dsec: snapshot hook %s failed", hook)
+            return None
 
     _clip_norm: float | None = None
 

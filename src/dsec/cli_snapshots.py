@@ -1,0 +1,176 @@
+"""``dsec snapshots ls | show | verify | restore | compact``: inspect and use a snapshot store offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+snapshots_app = typer.Typer(help="Inspect, verify and restore state snapshots.", no_args_is_help=True)
+out = Console()
+err = Console(stderr=True)
+
+SnapshotDir = Annotated[
+    Path, typer.Option("--dir", envvar="DSEC_SNAPSHOT_DIR", help="Snapshot store directory.", show_default=True)
+]
+DEFAULT_DIR = Path(".dsec/snapshots")
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err.print("error:", style="red", end=" ")
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _store(root: Path) -> Any:
+    from dsec.snapshot import LocalDirStore
+
+    if not (root / "manifests").is_dir():
+        raise _fail(f"{root}: not a snapshot store (no manifests/ directory)", 2)
+    return LocalDirStore(root)
+
+
+def _split(ident: str, store: Any) -> tuple[str, int | None]:
+    """``worker/seq`` or ``worker`` (its newest snapshot)."""
+    worker, _, seq = ident.partition("/")
+    if worker not in store.workers():
+        raise _fail(f"no snapshots for worker {worker!r} (workers: {', '.join(store.workers()) or 'none'})", 2)
+    if seq and not seq.isdigit():
+        raise _fail(f"snapshot id {ident!r} is invalid: expected WORKER or WORKER/NUMBER", 2)
+    return worker, int(seq) if seq else None
+
+
+def _mib(n: Any) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+@snapshots_app.command("ls")
+def ls(
+    worker: Annotated[str | None, typer.Argument(help="Only this worker.")] = None,
+    root: SnapshotDir = DEFAULT_DIR,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+) -> None:
+    """List snapshots, oldest first."""
+    from dsec.snapshot import listing
+
+    store = _store(root)
+    workers = [worker] if worker else store.workers()
+    rows = [row for w in workers for row in listing(store, w)]
+    if as_json:
+        for row in rows:
+            out.print(json.dumps(row), markup=False, highlight=False, soft_wrap=True)
+        return
+    table = Table("id", "kind", "base", "step", "mode", "full MiB", "stored MiB", "blocking ms", "total ms")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["id"], "[red]unreadable[/red]", "", "", "", "", "", "", r["error"][:40])
+            continue
+        table.add_row(
+            r["id"],
+            r["kind"],
+            str(r["base"]),
+            str(r["step"]),
+            r["mode"],
+            _mib(r["full_bytes"]),
+            _mib(r["stored_bytes"]),
+            f"{r['blocking_ms']:.1f}",
+            f"{r['total_ms']:.0f}",
+        )
+    out.print(table)
+
+
+@snapshots_app.command("show")
+def show(
+    ident: Annotated[str, typer.Argument(help="WORKER/NUMBER or WORKER (newest).")], root: SnapshotDir = DEFAULT_DIR
+) -> None:
+    """Print a snapshot's manifest (tensors summarized)."""
+    from dsec.snapshot import CorruptSnapshot
+    from dsec.snapshot.reader import read_manifest
+
+    store = _store(root)
+    worker, seq = _split(ident, store)
+    seq = seq if seq is not None else store.manifests(worker)[-1]
+    try:
+        m = read_manifest(store, worker, seq)
+    except CorruptSnapshot as exc:
+        raise _fail(str(exc)) from None
+    tensors = m.pop("tensors")
+    m["tensors"] = {
+        name: f"{e['enc']} {e['dtype']}{e['shape']} "
+        + ("from parent" if e.get("from_parent") else f"{'delta' if e.get('delta') else 'full'} {e.get('stored', 0)} B")
+        for name, e in tensors.items()
+    }
+    m["meta"] = {"optimizers": sorted(m["meta"].get("optimizers", {})), "state": sorted(m["meta"].get("state", {}))}
+    out.print_json(json.dumps(m))
+
+
+@snapshots_app.command("verify")
+def verify_cmd(
+    worker: Annotated[str | None, typer.Argument(help="Only this worker.")] = None, root: SnapshotDir = DEFAULT_DIR
+) -> None:
+    """Rebuild and checksum every snapshot; exit 1 if any is damaged."""
+    from dsec.snapshot import verify
+
+    store = _store(root)
+    bad = 0
+    for w in [worker] if worker else store.workers():
+        for seq, reason in verify(store, w):
+            if reason is None:
+                out.print(f"ok      {w}/{seq}")
+            else:
+                bad += 1
+                out.print(f"[red]damaged[/red] {w}/{seq}: {reason}", highlight=False)
+    if bad:
+        raise typer.Exit(1)
+
+
+@snapshots_app.command("restore")
+def restore(
+    ident: Annotated[str, typer.Argument(help="WORKER/NUMBER, or WORKER for its newest usable snapshot.")],
+    output: Annotated[Path, typer.Option("--out", "-o", help="Write a torch.save file here.")],
+    root: SnapshotDir = DEFAULT_DIR,
+) -> None:
+    """Rebuild a snapshot into a plain ``torch.save`` file: {"tensors": {name: tensor}, "meta": ..., "manifest": ...}.
+    Without a number, falls back past damaged snapshots to the newest one that verifies."""
+    import torch
+
+    from dsec.snapshot import CorruptSnapshot, load
+    from dsec.snapshot.reader import Fallback, load_latest
+
+    store = _store(root)
+    worker, seq = _split(ident, store)
+    fallback = Fallback()
+    try:
+        loaded = load(store, worker, seq) if seq is not None else load_latest(store, worker, fallback=fallback)
+    except CorruptSnapshot as exc:
+        raise _fail(str(exc)) from None
+    for s, reason in fallback.skipped:
+        err.print(f"skipped {worker}/{s}: {reason}", markup=False, highlight=False)
+    if loaded is None:
+        raise _fail(f"no usable snapshot for {worker}")
+    tensors = loaded.decode_all()
+    manifest = {k: v for k, v in loaded.manifest.items() if k != "meta"}
+    torch.save({"tensors": tensors, "meta": loaded.manifest["meta"], "manifest": manifest}, output)
+    lossy = "" if loaded.manifest["mode"].get("lossless") else " (lossy mode: weights are dequantized)"
+    out.print(f"restored {worker}/{loaded.seq} ({len(tensors)} tensors) in {loaded.read_s:.3f} s -> {output}{lossy}")
+
+
+@snapshots_app.command("compact")
+def compact_cmd(
+    ident: Annotated[str, typer.Argument(help="WORKER/NUMBER or WORKER (newest).")], root: SnapshotDir = DEFAULT_DIR
+) -> None:
+    """Rewrite a snapshot as a self-contained base so that restoring it reads no chain."""
+    from dsec.snapshot import CorruptSnapshot, compact
+
+    store = _store(root)
+    worker, seq = _split(ident, store)
+    seq = seq if seq is not None else store.manifests(worker)[-1]
+    try:
+        new = compact(store, worker, seq)
+    except CorruptSnapshot as exc:
+        raise _fail(str(exc)) from None
+    out.print(f"compacted {worker}/{seq} -> {worker}/{new}")
