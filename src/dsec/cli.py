@@ -11,8 +11,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dsec.cli_common import DEFAULT_ENDPOINT, AdminToken, Endpoint, admin_client, err, fail
+from dsec.cli_policy import metrics_app, policy_app
 from dsec.cli_snapshots import snapshots_app
-from dsec.client import Client, ClientError
+from dsec.client import ClientError
 from dsec.yamlconf import ConfigError
 
 app = typer.Typer(
@@ -25,41 +27,11 @@ directive_app = typer.Typer(help="Read and change worker directives.", no_args_i
 app.add_typer(token_app, name="token")
 app.add_typer(directive_app, name="directive")
 app.add_typer(snapshots_app, name="snapshots")
+app.add_typer(policy_app, name="policy")
+app.add_typer(metrics_app, name="metrics")
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 220)
-err = Console(stderr=True)
-
-Endpoint = Annotated[str, typer.Option(envvar="DSEC_ENDPOINT", help="Control-plane URL.")]
-AdminToken = Annotated[
-    str | None,
-    typer.Option(envvar="DSEC_ADMIN_TOKEN", show_default=False, help="Admin token (default: $DSEC_HOME/admin.token)."),
-]
-DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
-
-
-def _home() -> Path:
-    from dsec.control.settings import default_home
-
-    return default_home()
-
-
-def _admin_token(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    path = _home() / "admin.token"
-    return path.read_text().strip() if path.exists() else None
-
-
-def _client(endpoint: str, token: str | None) -> Client:
-    return Client(endpoint, token=_admin_token(token))
-
-
-def _fail(exc: Exception, code: int = 1) -> typer.Exit:
-    # Plain text, unwrapped: messages carry paths and "field[0]" locations that must stay greppable.
-    err.print("error:", style="red", end=" ")
-    err.print(str(exc), markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
 
 
 @app.command()
@@ -79,6 +51,9 @@ def serve(
             help="Send alerts to this URL, signed (HMAC-SHA256) with the secret in DSEC_ALERT_SECRET. Repeatable.",
         ),
     ] = None,
+    policy: Annotated[
+        Path | None, typer.Option(help="Policy file (default: the last one applied with `dsec policy apply`).")
+    ] = None,
 ) -> None:
     """Run the control plane (uvicorn)."""
     import secrets
@@ -90,10 +65,17 @@ def serve(
     from dsec.control.settings import Settings
     from dsec.control.store import StoreError
 
+    if policy is not None:
+        from dsec.policy import load_policies
+
+        try:
+            load_policies(policy)  # checked before anything starts: a typo in a rule starts nothing
+        except ConfigError as exc:
+            raise fail(exc, 2) from None
     hooks = [u for u in (alert_webhook or []) if u]
     secret = os.environ.get("DSEC_ALERT_SECRET", "")
     if hooks and not secret:
-        raise _fail(ValueError("--alert-webhook needs DSEC_ALERT_SECRET (the key alerts are signed with)"), 2)
+        raise fail(ValueError("--alert-webhook needs DSEC_ALERT_SECRET (the key alerts are signed with)"), 2)
     settings = Settings.from_env(
         home=home,
         database_url=database_url,
@@ -101,6 +83,7 @@ def serve(
         port=port,
         cluster_file=cluster,
         alert_webhooks=tuple((u, secret) for u in hooks),
+        policy_file=policy,
     )
     settings.home.mkdir(parents=True, exist_ok=True)
     if settings.admin_token is None:
@@ -116,7 +99,7 @@ def serve(
     try:
         fastapi_app = create_app(settings)
     except (ConfigError, StoreError) as exc:
-        raise _fail(exc, 2) from None
+        raise fail(exc, 2) from None
     err.print(f"DSec control plane on http://{host}:{port} (store: {settings.database_url.split('@')[-1]})")
     uvicorn.Server(uvicorn_config(fastapi_app, host, port, log_level=log_level)).run()
 
@@ -133,7 +116,7 @@ def status(
 
     from dsec.render import pools_table, workers_table
 
-    with _client(endpoint, admin_token) as c:
+    with admin_client(endpoint, admin_token) as c:
 
         def view() -> Group:
             s = c.status()
@@ -148,7 +131,7 @@ def status(
                     time.sleep(watch)
                     live.update(view())
         except ClientError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
         except KeyboardInterrupt:
             pass
 
@@ -165,10 +148,10 @@ def workers(
     from dsec.render import workers_table
 
     try:
-        with _client(endpoint, admin_token) as c:
+        with admin_client(endpoint, admin_token) as c:
             items = c.workers(pool=pool, state=state)
     except ClientError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if json_out:
         console.print_json(data=items)
     else:
@@ -190,7 +173,7 @@ def events(
     from dsec.render import events_table
 
     try:
-        with _client(endpoint, admin_token) as c:
+        with admin_client(endpoint, admin_token) as c:
             page = c.events(
                 worker_id=worker,
                 pool=pool,
@@ -199,7 +182,7 @@ def events(
                 limit=limit,
             )
     except ClientError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if json_out:
         console.print_json(data=page)
     else:
@@ -218,15 +201,15 @@ def token_create(
 ) -> None:
     """Create a token; it is printed once (the control plane keeps only its hash)."""
     if not admin and not pool:
-        raise _fail(ValueError("give --pool P for a worker-registration token, or --admin"), 2)
+        raise fail(ValueError("give --pool P for a worker-registration token, or --admin"), 2)
     try:
-        with _client(endpoint, admin_token) as c:
+        with admin_client(endpoint, admin_token) as c:
             console.print(
                 c.create_token(pool=None if admin else pool, kind="admin" if admin else "pool", label=label),
                 soft_wrap=True,
             )
     except ClientError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 def _parse_assignment(text: str) -> tuple[str, Any]:
@@ -255,20 +238,20 @@ def directive_set(
     """Set directive fields, e.g. `dsec directive set w-123 compression_bits=8 grad_accum_steps=4`."""
     fields = dict(_parse_assignment(a) for a in assignments)
     try:
-        with _client(endpoint, admin_token) as c:
+        with admin_client(endpoint, admin_token) as c:
             console.print_json(data=c.set_directive(worker_id, **fields))
     except ClientError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 @directive_app.command("show")
 def directive_show(worker_id: str, endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = None) -> None:
     """Desired vs acked directive of a worker."""
     try:
-        with _client(endpoint, admin_token) as c:
+        with admin_client(endpoint, admin_token) as c:
             console.print_json(data=c.directive(worker_id))
     except ClientError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -300,13 +283,13 @@ def run(
 
     command = list(ctx.args)
     if not command:
-        raise _fail(ValueError("no command given: dsec run [OPTIONS] -- COMMAND [ARGS...]"), 2)
+        raise fail(ValueError("no command given: dsec run [OPTIONS] -- COMMAND [ARGS...]"), 2)
     settings: dict[str, str] = {}
     if config is not None:
         try:
             settings.update(plugin_env(config))
         except ConfigError as exc:
-            raise _fail(exc, 2) from None
+            raise fail(exc, 2) from None
     for key, value in (
         ("DSEC_SANDBOX_ID", sandbox_id),
         ("DSEC_ENDPOINT", endpoint),
@@ -323,17 +306,17 @@ def run(
         # Checked here, before anything starts: inside the job a bad spec would only be logged.
         parse_chaos(env.get("DSEC_CHAOS") or "")
     except ChaosError as exc:
-        raise _fail(exc, 2) from None
+        raise fail(exc, 2) from None
     if restore is not None and restore != "latest" and not restore.isdigit():
-        raise _fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
+        raise fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
     if env.get("DSEC_RESTORE") and not env.get("DSEC_SNAPSHOT_DIR"):
-        raise _fail(ValueError("--restore needs --snapshot-dir (or DSEC_SNAPSHOT_DIR): where are the snapshots?"), 2)
+        raise fail(ValueError("--restore needs --snapshot-dir (or DSEC_SNAPSHOT_DIR): where are the snapshots?"), 2)
     if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
         err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
     try:
         sys.exit(run_command(command, env))
     except FileNotFoundError as exc:
-        raise _fail(exc, 127) from None
+        raise fail(exc, 127) from None
 
 
 @app.command()

@@ -10,9 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dsec.cli_common import err, fail
+
 snapshots_app = typer.Typer(help="Inspect, verify and restore state snapshots.", no_args_is_help=True)
 out = Console()
-err = Console(stderr=True)
 
 SnapshotDir = Annotated[
     Path, typer.Option("--dir", envvar="DSEC_SNAPSHOT_DIR", help="Snapshot store directory.", show_default=True)
@@ -20,17 +21,11 @@ SnapshotDir = Annotated[
 DEFAULT_DIR = Path(".dsec/snapshots")
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    err.print("error:", style="red", end=" ")
-    err.print(message, markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
 def _store(root: Path) -> Any:
     from dsec.snapshot import LocalDirStore
 
     if not (root / "manifests").is_dir():
-        raise _fail(f"{root}: not a snapshot store (no manifests/ directory)", 2)
+        raise fail(f"{root}: not a snapshot store (no manifests/ directory)", 2)
     return LocalDirStore(root)
 
 
@@ -38,9 +33,9 @@ def _split(ident: str, store: Any) -> tuple[str, int | None]:
     """``worker/seq`` or ``worker`` (its newest snapshot)."""
     worker, _, seq = ident.partition("/")
     if worker not in store.workers():
-        raise _fail(f"no snapshots for worker {worker!r} (workers: {', '.join(store.workers()) or 'none'})", 2)
+        raise fail(f"no snapshots for worker {worker!r} (workers: {', '.join(store.workers()) or 'none'})", 2)
     if seq and not seq.isdigit():
-        raise _fail(f"snapshot id {ident!r} is invalid: expected WORKER or WORKER/NUMBER", 2)
+        raise fail(f"snapshot id {ident!r} is invalid: expected WORKER or WORKER/NUMBER", 2)
     return worker, int(seq) if seq else None
 
 
@@ -97,7 +92,7 @@ def show(
     try:
         m = read_manifest(store, worker, seq)
     except CorruptSnapshot as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     tensors = m.pop("tensors")
     m["tensors"] = {
         name: f"{e['enc']} {e['dtype']}{e['shape']} "
@@ -147,11 +142,11 @@ def restore(
     try:
         loaded = load(store, worker, seq) if seq is not None else load_latest(store, worker, fallback=fallback)
     except CorruptSnapshot as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     for s, reason in fallback.skipped:
         err.print(f"skipped {worker}/{s}: {reason}", markup=False, highlight=False)
     if loaded is None:
-        raise _fail(f"no usable snapshot for {worker}")
+        raise fail(f"no usable snapshot for {worker}")
     tensors = loaded.decode_all()
     manifest = {k: v for k, v in loaded.manifest.items() if k != "meta"}
     torch.save({"tensors": tensors, "meta": loaded.manifest["meta"], "manifest": manifest}, output)
@@ -172,5 +167,5 @@ def compact_cmd(
     try:
         new = compact(store, worker, seq)
     except CorruptSnapshot as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     out.print(f"compacted {worker}/{seq} -> {worker}/{new}")

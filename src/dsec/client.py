@@ -193,3 +193,12 @@ class Client:
 
     def metrics_text(self) -> str:
         return str(self.request("GET", "/metrics"))
+
+    def policies(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/policies"))
+
+    def put_policies(self, text: str, source: str = "policies.yaml") -> dict[str, Any]:
+        return dict(self.request("PUT", "/v1/policies", json={"text": text, "source": source}))
+
+    def metric_series(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/metrics/series"))

@@ -63,7 +63,8 @@ class EventType(str, enum.Enum):
     QUOTA = "quota"  # an elastic memory quota changed
     SNAPSHOT = "snapshot"
     RESTORE = "restore"
-    POLICY_ACTION = "policy_action"
+    POLICY_ACTION = "policy_action"  # a rule changed (or, in a dry run, would have changed) a knob
+    POLICY = "policy"  # a rule's state changed: pending, firing, resolved, reset
     ALERT = "alert"
     ANOMALY = "anomaly"
     LOG = "log"
@@ -130,6 +131,7 @@ class Pool:
     memory_ceiling_gb: float = 12.0
     snapshot_interval_s: float = 90.0
     snapshot_compression_level: int = 2  # dsec.snapshot modes: 0 lossless .. 3 q4-lite
+    gpu_quota: int | None = None  # devices the pool may use at most (None: all of them); policies shrink/grow it
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", self.name, "a non-empty pool name")
@@ -143,6 +145,15 @@ class Pool:
         )
         _check(self.snapshot_interval_s > 0, "snapshot_interval_s", self.snapshot_interval_s, "> 0")
         _check_level(self.snapshot_compression_level)
+        if self.gpu_quota is not None:
+            _check(
+                isinstance(self.gpu_quota, int)
+                and not isinstance(self.gpu_quota, bool)
+                and 0 <= self.gpu_quota <= 4096,
+                "gpu_quota",
+                self.gpu_quota,
+                "0..4096 devices, or null for all",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,6 +167,7 @@ class Pool:
             "memory_ceiling_gb": self.memory_ceiling_gb,
             "snapshot_interval_s": self.snapshot_interval_s,
             "snapshot_compression_level": self.snapshot_compression_level,
+            "gpu_quota": self.gpu_quota,
         }
 
     @classmethod
@@ -169,6 +181,7 @@ class Pool:
             memory_ceiling_gb=float(data.get("memory_ceiling_gb", 12.0)),
             snapshot_interval_s=float(data.get("snapshot_interval_s", 90.0)),
             snapshot_compression_level=int(data.get("snapshot_compression_level", 2)),
+            gpu_quota=None if data.get("gpu_quota") is None else int(data["gpu_quota"]),
         )
 
 

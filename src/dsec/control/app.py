@@ -36,6 +36,7 @@ from dsec.control.schemas import (
     DeviceSpec,
     DirectivePatch,
     HeartbeatRequest,
+    PolicyUpload,
     PoolUpdate,
     RegisterRequest,
     TokenCreate,
@@ -44,7 +45,7 @@ from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import EventQuery, Store, open_store
 from dsec.model import Device, DeviceHealth, EventType, ModelError, Pool, PoolThresholds, WorkerState
-from dsec.yamlconf import load_file
+from dsec.yamlconf import ConfigError, load_file
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def pool_from_spec(name: str, spec: Any) -> Pool:
         memory_ceiling_gb=spec.memory_ceiling_gb,
         snapshot_interval_s=spec.snapshot_interval_s,
         snapshot_compression_level=spec.snapshot_compression_level,
+        gpu_quota=spec.gpu_quota,
     )
 
 
@@ -150,8 +152,8 @@ def worker_routes() -> APIRouter:
     @r.get("/{worker_id}/directive")
     async def get_directive(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
         """Desired vs acked directive of one worker (the worker itself may read it too)."""
-        w = _cp(request).worker_for(worker_id, bearer(authorization))
-        return JSON(w.to_api()["directive"])
+        cp = _cp(request)
+        return JSON(cp.directive_api(cp.worker_for(worker_id, bearer(authorization))))
 
     @r.patch("/{worker_id}/directive")
     async def patch_directive(
@@ -165,7 +167,7 @@ def worker_routes() -> APIRouter:
         if not patch:
             raise ApiError(422, "invalid", "empty patch: give at least one directive field", "body")
         await cp.set_directive(w, patch, actor="api")
-        return JSON(w.to_api()["directive"])
+        return JSON(cp.directive_api(w))
 
     return r
 
@@ -259,6 +261,33 @@ def admin_routes() -> APIRouter:
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
         return JSON(cp.status())
+
+    @r.get("/policies")
+    async def get_policies(request: Request, authorization: Auth = None) -> Response:
+        """The rules in force and each rule's state per scope."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON(cp.policies.status())
+
+    @r.put("/policies")
+    async def put_policies(body: PolicyUpload, request: Request, authorization: Auth = None) -> Response:
+        """Validate and hot-reload a policy file; on any error nothing changes (422 with every problem)."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        try:
+            await cp.policies.apply_text(body.text, body.source)
+        except ConfigError as exc:
+            raise ApiError(
+                422, "invalid", exc.problems[0], "text", details=[{"message": p} for p in exc.problems]
+            ) from None
+        return JSON(cp.policies.status())
+
+    @r.get("/metrics/series")
+    async def metric_series(request: Request, authorization: Auth = None) -> Response:
+        """The sampled gauge history the policies read (what `dsec metrics export` saves)."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON(cp.policies.series.export())
 
     return r
 

@@ -11,7 +11,6 @@ else (see docs/protocol.md). ``dsec_snapshot_recovery_time`` is in seconds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -25,11 +24,10 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dsec.model import WorkerState
+from dsec.control.gauges import pool_gauges, worker_gauges
 
 if TYPE_CHECKING:
     from dsec.control.service import ControlPlane
-    from dsec.control.state import LiveWorker
 
 
 class PoolCollector(Collector):
@@ -39,8 +37,6 @@ class PoolCollector(Collector):
         self._cp = cp
 
     def collect(self) -> Iterator[Metric]:
-        st = self._cp.state
-        judge = self._cp.judge
         util = GaugeMetricFamily(
             "dsec_sandbox_utilization_rate",
             "Mean over a pool's active workers of memory used / memory quota (0..1+); 0 without reports.",
@@ -83,36 +79,21 @@ class PoolCollector(Collector):
             "Pool memory accounting of the elastic quotas: device capacity, quota granted, memory used.",
             labels=["pool", "kind"],
         )
-        by_pool: dict[str, list[LiveWorker]] = {name: [] for name in st.pools}
-        for w in list(st.workers.values()):
-            by_pool.setdefault(w.pool, []).append(w)
-        for pool, ws in sorted(by_pool.items()):
-            active = [w for w in ws if w.state is WorkerState.ACTIVE]
-            ratios = [
-                w.metrics["memory_used_gb"] / w.directive.fields.memory_quota_gb
-                for w in active
-                if "memory_used_gb" in w.metrics and w.directive.fields.memory_quota_gb
-            ]
-            util.add_metric([pool], sum(ratios) / len(ratios) if ratios else 0.0)
-            ops = sum(w.metrics.get("sync_ops_total", 0.0) for w in ws)
-            ok = sum(w.metrics.get("sync_ok_total", 0.0) for w in ws)
-            sync.add_metric([pool], ok / ops if ops > 0 else math.nan)
-            recovery.add_metric([pool], st.last_recovery_s.get(pool, math.nan))
-            melt.add_metric([pool], float(st.meltdowns.get(pool, 0)))
-            for s in WorkerState:
-                workers.add_metric([pool, s.value], float(sum(1 for w in ws if w.state is s)))
-            pending.add_metric([pool], float(sum(1 for w in active if w.acked_version != w.directive.version)))
-            for w in ws:
-                if st.worker_meltdowns.get(w.id):
-                    worker_melt.add_metric([pool, w.id], float(st.worker_meltdowns[w.id]))
-            for w in active:
-                b = judge.breakers.get(w.id)
-                level.add_metric([pool, w.id], float(b.level if b else 0))
-            mem = judge.pool_memory.get(pool)
-            if mem is not None:
-                for kind, value in (("capacity", mem.capacity_gb), ("granted", mem.granted_gb), ("used", mem.used_gb)):
-                    if value is not None:
-                        memory.add_metric([pool, kind], float(value))
+        for pool, g in pool_gauges(self._cp).items():
+            util.add_metric([pool], g.utilization)
+            sync.add_metric([pool], g.sync_success)
+            recovery.add_metric([pool], g.recovery_s)
+            melt.add_metric([pool], g.meltdowns)
+            for s, n in g.workers.items():
+                workers.add_metric([pool, s.value], float(n))
+            pending.add_metric([pool], float(g.pending))
+            for kind, value in g.memory.items():
+                memory.add_metric([pool, kind], value)
+        for wg in worker_gauges(self._cp):
+            if wg.meltdowns:
+                worker_melt.add_metric([wg.pool, wg.worker], wg.meltdowns)
+            if wg.active:
+                level.add_metric([wg.pool, wg.worker], wg.level)
         yield from (util, sync, recovery, melt, workers, pending, worker_melt, level, memory)
 
 

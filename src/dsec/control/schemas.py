@@ -43,6 +43,7 @@ class PoolUpdate(Strict):
     memory_ceiling_gb: MemoryGB = 12.0
     snapshot_interval_s: float = Field(90.0, gt=0, le=86400)
     snapshot_compression_level: int = Field(2, ge=0, le=3)
+    gpu_quota: int | None = Field(None, ge=0, le=4096)
 
     @field_validator("memory_ceiling_gb")
     @classmethod
@@ -187,3 +188,11 @@ class TokenCreate(Strict):
         if self.kind == "admin" and self.pool:
             raise ValueError("an admin token has no pool")
         return self
+
+
+class PolicyUpload(Strict):
+    """Body of PUT /v1/policies: the YAML text of a policy file and a name for its error messages."""
+
+    model_config = ConfigDict(extra="forbid", str_max_length=1 << 20)
+    text: str = Field(..., max_length=1 << 20)
+    source: str = Field("policies.yaml", max_length=256)

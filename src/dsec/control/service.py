@@ -20,6 +20,7 @@ from dsec.alerts import AlertRouter, LogSink, Sink, WebhookSink
 from dsec.control import auth, errors
 from dsec.control.judge import Judge, Verdict
 from dsec.control.liveness import Beat, overdue
+from dsec.control.policies import PolicyRunner
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
@@ -71,6 +72,8 @@ class ControlPlane:
         )
         self.judge = Judge(self.state, settings.judge, self.alerts)
         self.judge.resume_levels = self._resume_levels
+        self.policies = PolicyRunner(self)
+        self.policies.load()
 
     # -- startup -----------------------------------------------------------------------------
     def _load(self) -> None:
@@ -404,7 +407,7 @@ class ControlPlane:
         return new
 
     # -- pools and devices ---------------------------------------------------------------------
-    async def put_pool(self, pool: Pool) -> Pool:
+    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool:
         now = self.clock()
         created = pool.name not in self.state.pools
         await asyncio.to_thread(self.store.put_pool, pool, now)
@@ -415,7 +418,7 @@ class ControlPlane:
                     ts=now,
                     type=EventType.POOL_CHANGED,
                     pool=pool.name,
-                    data={"created": created, "spec": pool.to_dict()},
+                    data={"created": created, "spec": pool.to_dict(), "by": actor},
                 )
             ]
         )
@@ -460,9 +463,11 @@ class ControlPlane:
     # -- reconcile -----------------------------------------------------------------------------
     async def reconcile(self) -> list[str]:
         """One pass of the control loop: mark overdue workers lost (durably, with an event), then the
-        periodic judgments (fleet comparison, elastic quotas, precision restores)."""
+        periodic judgments (fleet comparison, elastic quotas, precision restores), then the policies (on their
+        own interval)."""
         lost = await self._mark_lost()
         await self._judge_periodic()
+        await self.policies.tick()
         return lost
 
     async def _judge_periodic(self) -> None:
@@ -533,6 +538,11 @@ class ControlPlane:
                 for w in sorted(self.state.workers.values(), key=lambda w: (w.pool, w.info.group, w.info.rank, w.id))
             ],
         }
+
+    def directive_api(self, w: LiveWorker) -> dict[str, Any]:
+        """Desired vs acked directive, with the breaker caps in force for the worker (its own overrides, else its
+        pool's thresholds, which policies may change)."""
+        return {**w.to_api()["directive"], "caps": self.judge.caps_for(w).limits()}
 
     def worker_api(self, w: LiveWorker) -> dict[str, Any]:
         """A worker as the API shows it: its row, directive, and what the judgment thinks of it."""

@@ -43,12 +43,17 @@ class Settings:
     alert_group_wait_s: float = 1.0
     alert_group_interval_s: float = 5.0
     alert_repeat_interval_s: float = 300.0
+    # Policy engine: the rule file (else $DSEC_HOME/policies.yaml when one was applied) and how often rules run.
+    policy_file: Path | None = None
+    policy_interval_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:
             raise ValueError(f"lost_after_beats={self.lost_after_beats} is invalid: expected >= 1")
         if not 0 < self.flush_interval_s <= 60:
             raise ValueError(f"flush_interval_s={self.flush_interval_s} is invalid: expected (0, 60]")
+        if not 0 < self.policy_interval_s <= 3600:
+            raise ValueError(f"policy_interval_s={self.policy_interval_s} is invalid: expected (0, 3600]")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} is invalid: expected >= 1024")
 

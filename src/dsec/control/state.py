@@ -127,6 +127,8 @@ class HotState:
     meltdowns: Counter[str] = field(default_factory=Counter)
     worker_meltdowns: Counter[str] = field(default_factory=Counter)
     last_recovery_s: dict[str, float] = field(default_factory=dict)
+    # Pools recovering from a device failure (until this time): policy actions on them are held back.
+    pool_recovering_until: dict[str, float] = field(default_factory=dict)
     _dirty: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

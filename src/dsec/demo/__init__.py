@@ -36,6 +36,7 @@ from dsec.control.app import create_app
 from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
+from dsec.demo import policies as policy_scenes
 from dsec.demo import snapshots as snapshot_scenes
 from dsec.render import events_table, pools_table, workers_table
 
@@ -237,6 +238,12 @@ SCENES = [
     Scene("liveness: a worker killed -9 becomes 'lost'", 0.3, _kill_actor, _actor_lost),
     Scene("Prometheus /metrics carries the four headline gauges per pool", 0.45, _scrape, _scraped),
     Scene(
+        "policy engine: example policies loaded; a meltdown makes a rule lower the pool's latency cap (audited)",
+        0.0,
+        policy_scenes.load_policies,
+        policy_scenes.policy_acted,
+    ),
+    Scene(
         "state snapshots: learners snapshot on request and every 3 s, in the background",
         0.1,
         snapshot_scenes.request_snapshots,
@@ -331,6 +338,7 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
         reconcile_interval_s=0.2,
         judge=judge,
         alert_log=False,  # alerts are shown from the event log, not printed over the live table
+        policy_interval_s=1.0,  # rules are evaluated every second (15 s in production)
     )
     app = create_app(settings)
     procs: list[Proc] = []

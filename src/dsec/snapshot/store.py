@@ -19,13 +19,14 @@ import contextlib
 import os
 import re
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from dsec.fsutil import TMP_PREFIX as _TMP_PREFIX
+from dsec.fsutil import write_atomic
+
 _WORKER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_TMP_PREFIX = ".tmp-"
 
 
 class StoreError(Exception):
@@ -49,35 +50,6 @@ class SnapshotStore(Protocol):
     def delete_manifest(self, worker: str, seq: int) -> None: ...
     def chunks(self) -> Iterator[tuple[str, float]]: ...
     def delete_chunk(self, chunk_id: str) -> None: ...
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes, *, overwrite: bool = True) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old state or the whole new file.
-
-    With ``overwrite=False`` an existing ``path`` raises FileExistsError and is left untouched."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails if the name is taken: two writers can never replace each other's file
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    _fsync_dir(path.parent)
 
 
 class LocalDirStore:

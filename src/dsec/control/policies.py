@@ -1,0 +1,259 @@
+"""The policy engine inside the control plane: sample gauges, evaluate rules, apply and audit their actions.
+
+- Rules come from ``--policy FILE`` (``Settings.policy_file``) or from ``PUT /v1/policies`` (``dsec policy
+  apply``), which validates, writes ``$DSEC_HOME/policies.yaml`` atomically and swaps the rules in place; that file
+  is what a restarted control plane loads when no ``--policy`` is given.
+- Every ``policy_interval_s`` (in the reconcile loop) the pool and worker gauges are sampled into a bounded
+  in-memory history and the rules are evaluated. History is not persisted: after a restart a window refills, except
+  ``dsec_melt_down_count``, whose history is rebuilt from the durable meltdown events.
+- Rule state (pending / firing, last action, action times for ``max_per``) changes are recorded as ``policy``
+  events and replayed at startup, so a pending rule keeps its ``for`` clock across a restart.
+- Actions are ``policy_action`` events (rule, scope, knob, old -> new, outcome, evidence); applied ones change the
+  pool (a ``pool_changed`` event) or the worker's directive (``directive_set`` by ``policy:<rule>``). A pool's
+  snapshot settings are also pushed to the directives of its active workers that still follow the pool's value.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.control import errors
+from dsec.control.gauges import pool_gauges, worker_gauges
+from dsec.fsutil import write_atomic
+from dsec.model import Event, EventType, ModelError, Pool, WorkerState
+from dsec.policy.engine import Decision, Engine, RuleState, Scope, Transition
+from dsec.policy.rules import Knob, PolicySet, compile_policies
+from dsec.policy.series import Key, SeriesStore
+from dsec.yamlconf import ConfigError
+
+if TYPE_CHECKING:
+    from dsec.control.service import ControlPlane
+
+log = logging.getLogger(__name__)
+
+DIRECTIVE_MIRRORS = ("snapshot_interval_s", "snapshot_compression_level")  # pool fields workers follow
+
+
+def samples(cp: ControlPlane, workers: bool = True) -> dict[Key, float]:
+    """The gauges policies read, keyed (metric, pool, worker); per-worker ones only when ``workers``."""
+    out: dict[Key, float] = {}
+    for pool, g in pool_gauges(cp).items():
+        out[("dsec_sandbox_utilization_rate", pool, None)] = g.utilization
+        out[("dsec_gradient_sync_success_rate", pool, None)] = g.sync_success
+        out[("dsec_snapshot_recovery_time", pool, None)] = g.recovery_s
+        out[("dsec_melt_down_count", pool, None)] = g.meltdowns
+        out[("dsec_directives_pending", pool, None)] = float(g.pending)
+        out[("dsec_workers_active", pool, None)] = float(g.workers[WorkerState.ACTIVE])
+        out[("dsec_workers_lost", pool, None)] = float(g.workers[WorkerState.LOST])
+        if "used" in g.memory:
+            out[("dsec_pool_memory_used_gb", pool, None)] = g.memory["used"]
+        if "granted" in g.memory:
+            out[("dsec_pool_memory_granted_gb", pool, None)] = g.memory["granted"]
+    for wg in worker_gauges(cp) if workers else ():
+        if wg.active:
+            out[("dsec_worker_melt_down_count", wg.pool, wg.worker)] = wg.meltdowns
+            out[("dsec_breaker_level", wg.pool, wg.worker)] = wg.level
+    return out
+
+
+def pool_knob(pool: Pool, name: str) -> float | None:
+    if name in ("latency_cap_ms", "bandwidth_cap_mbps"):
+        return float(getattr(pool.thresholds, name))
+    if name == "gpu_quota":
+        return float(pool.gpu_quota if pool.gpu_quota is not None else len(pool.devices))
+    value = getattr(pool, name, None)
+    return None if value is None else float(value)
+
+
+def with_pool_knob(pool: Pool, name: str, value: float) -> Pool:
+    if name in ("latency_cap_ms", "bandwidth_cap_mbps"):
+        return replace(pool, thresholds=replace(pool.thresholds, **{name: float(value)}))
+    data = pool.to_dict()
+    data[name] = int(value) if name in ("gpu_quota", "snapshot_compression_level") else float(value)
+    return Pool.from_dict(data)
+
+
+class PolicyRunner:
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.interval_s = cp.settings.policy_interval_s
+        self.series = SeriesStore(retention_s=3600.0)
+        self.engine = Engine(PolicySet())
+        self._last_tick = -math.inf
+        self._last_outcome: dict[tuple[str, str, str], str] = {}
+        self.applied_path = cp.settings.home / "policies.yaml"
+
+    # -- loading ----------------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Startup: the rules (``--policy`` file, else the last applied one), their persisted states, and the
+        meltdown history. A broken applied file is logged and skipped; ``dsec serve --policy`` checks its file
+        before it starts."""
+        source = self.cp.settings.policy_file or (self.applied_path if self.applied_path.exists() else None)
+        if source is not None:
+            try:
+                policies = compile_policies(Path(source).read_text(), str(source))
+            except (ConfigError, OSError) as exc:
+                log.error("policies not loaded: %s", exc)
+                policies = PolicySet()
+            self._install(policies)
+        states: dict[tuple[str, str], RuleState] = {}
+        for ev in self.cp._iter_events(EventType.POLICY):
+            st = ev.data.get("state")
+            if isinstance(st, dict) and "rule" in ev.data and "scope" in ev.data:
+                states[(str(ev.data["rule"]), str(ev.data["scope"]))] = RuleState.from_dict(st)
+        self.engine.load_states(states)
+        self._seed_meltdowns()
+
+    def _install(self, policies: PolicySet) -> None:
+        self.engine.replace_policies(policies)
+        # Keep enough history for the longest window, and at least an hour for what-if exports.
+        self.series.retention_s = max(3600.0, policies.history_s + 2 * self.interval_s)
+
+    def _seed_meltdowns(self) -> None:
+        now = self.cp.clock()
+        since = now - self.series.retention_s
+        points: dict[str, list[tuple[float, float]]] = {}
+        recent = [ev for ev in self.cp._iter_events(EventType.MELTDOWN) if ev.ts >= since and ev.pool]
+        for ev in recent:
+            assert ev.pool is not None
+            points.setdefault(ev.pool, []).append((ev.ts, 1.0))
+        for pool, evs in points.items():
+            total = float(self.cp.state.meltdowns.get(pool, 0))
+            count = total - len(evs)
+            series = [(since, count)]
+            for ts, _ in evs:
+                count += 1
+                series.append((ts, count))
+            self.series.add_series(("dsec_melt_down_count", pool, None), series)
+
+    async def apply_text(self, text: str, source: str = "policies.yaml") -> PolicySet:
+        """Validate and install new rules (hot reload); ConfigError leaves the running rules untouched."""
+        policies = compile_policies(text, source)
+        write_atomic(self.applied_path, text.encode())
+        self._install(policies)
+        now = self.cp.clock()
+        await self.cp.record_events(
+            [Event(ts=now, type=EventType.POLICY, data={"phase": "loaded", "rules": sorted(policies.names)})]
+        )
+        return policies
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    async def tick(self, force: bool = False) -> tuple[list[Decision], list[Transition]]:
+        now = self.cp.clock()
+        if not force and now - self._last_tick < self.interval_s:
+            return [], []
+        self._last_tick = now
+        # Per-worker history only when a rule reads it: thousands of workers x hours of samples is real memory.
+        per_worker = any(r.level == "worker" for r in self.engine.policies.rules)
+        self.series.add(now, samples(self.cp, workers=per_worker))
+        if not self.engine.policies.rules:
+            return [], []
+        decisions, transitions = self.engine.evaluate(now, self._scopes(), self.series, self._knob, self._suppressed)
+        await self._record(decisions, transitions, now)
+        return decisions, transitions
+
+    def _scopes(self) -> list[Scope]:
+        out = [Scope(p) for p in sorted(self.cp.state.pools)]
+        out += [
+            Scope(w.pool, w.id, w.info.role.value)
+            for w in sorted(self.cp.state.workers.values(), key=lambda w: w.id)
+            if w.state is WorkerState.ACTIVE
+        ]
+        return out
+
+    def _suppressed(self, pool: str) -> bool:
+        return self.cp.state.pool_recovering_until.get(pool, 0.0) > self.cp.clock()
+
+    def _knob(self, scope: Scope, knob: Knob) -> float | None:
+        pool = self.cp.state.pools.get(scope.pool)
+        if pool is None:
+            return None
+        if knob.level == "pool":
+            return pool_knob(pool, knob.name)
+        w = self.cp.state.workers.get(scope.worker or "")
+        if w is None:
+            return None
+        value = getattr(w.directive.fields, knob.name)
+        if value is None and knob.name in ("latency_cap_ms", "bandwidth_cap_mbps"):
+            return pool_knob(pool, knob.name)  # the per-worker cap starts from the pool's
+        return None if value is None else float(value)
+
+    async def _record(self, decisions: list[Decision], transitions: list[Transition], now: float) -> None:
+        events = [
+            Event(ts=now, type=EventType.POLICY, pool=t.scope.pool, worker_id=t.scope.worker, data=t.to_event())
+            for t in transitions
+        ]
+        for d in decisions:
+            slot = (d.rule, d.scope.key, d.knob)
+            repeated = (
+                d.outcome in ("suppressed", "rate_limited", "no_value") and self._last_outcome.get(slot) == d.outcome
+            )
+            self._last_outcome[slot] = d.outcome
+            if not repeated:
+                events.append(
+                    Event(ts=now, type=EventType.POLICY_ACTION, pool=d.scope.pool, worker_id=d.scope.worker,
+                          data=d.to_event())
+                )  # fmt: skip
+        if events:
+            await self.cp.record_events(events)
+        for d in decisions:
+            if d.changes:
+                try:
+                    await self._apply(d)
+                except (errors.ApiError, ModelError) as exc:
+                    log.warning("policy %s could not change %s of %s: %s", d.rule, d.knob, d.scope.key, exc)
+                    data = {**d.to_event(), "outcome": "failed", "detail": str(exc)}
+                    ev = Event(ts=self.cp.clock(), type=EventType.POLICY_ACTION, pool=d.scope.pool,
+                               worker_id=d.scope.worker, data=data)  # fmt: skip
+                    await self.cp.record_events([ev])
+
+    async def _apply(self, d: Decision) -> None:
+        assert d.new is not None
+        actor = f"policy:{d.rule}"
+        if d.level == "pool":
+            pool = self.cp.state.pools[d.scope.pool]
+            new_pool = with_pool_knob(pool, d.knob, d.new)
+            await self.cp.put_pool(new_pool, actor=actor)
+            if d.knob in DIRECTIVE_MIRRORS:
+                old = getattr(pool, d.knob)
+                for w in list(self.cp.state.workers.values()):
+                    if (
+                        w.pool == pool.name
+                        and w.state is WorkerState.ACTIVE
+                        and getattr(w.directive.fields, d.knob) == old
+                    ):
+                        await self.cp.set_directive(w, {d.knob: getattr(new_pool, d.knob)}, actor)
+            return
+        target = self.cp.state.workers.get(d.scope.worker or "")
+        if target is None:
+            return
+        value: Any = int(d.new) if d.knob in ("compression_bits", "grad_accum_steps", "sync_priority",
+                                              "snapshot_compression_level") else float(d.new)  # fmt: skip
+        await self.cp.set_directive(target, {d.knob: value}, actor)
+
+    def status(self) -> dict[str, Any]:
+        ps = self.engine.policies
+        return {
+            "source": ps.source,
+            "interval_s": self.interval_s,
+            "rules": [
+                {
+                    "name": r.name,
+                    "when": r.when.text,
+                    "for_s": r.for_s,
+                    "level": r.level,
+                    "pools": list(r.pools),
+                    "dry_run": r.dry_run,
+                    "states": {
+                        scope: st.to_dict()
+                        for (name, scope), st in sorted(self.engine.states.items())
+                        if name == r.name
+                    },
+                }
+                for r in ps.rules
+            ],
+        }

@@ -1,0 +1,389 @@
+"""The policy expression language: a small, safe subset of PromQL over DSec's own metrics (no eval).
+
+Grammar (precedence low to high)::
+
+    expr    := and ('or' and)*
+    and     := cmp ('and' cmp)*
+    cmp     := sum (('>' | '<' | '>=' | '<=' | '==' | '!=') sum)?
+    sum     := term (('+' | '-') term)*
+    term    := unary (('*' | '/') unary)*
+    unary   := '-' unary | 'not' unary | primary
+    primary := NUMBER | FUNC '(' METRIC '[' DURATION ']' ')' | METRIC | '(' expr ')'
+
+``METRIC`` is a DSec metric name (an unknown name is an error); without a range it is the newest sample.
+Range functions: ``increase`` (growth over the window, counter resets handled), ``rate`` (increase per second),
+``delta`` (last - first), ``avg_over_time``, ``min_over_time``, ``max_over_time``, ``last_over_time``,
+``count_over_time``. Durations: ``30s``, ``5m``, ``1h``, ``1d``, ``1h30m``.
+
+Missing data is NaN (unknown); a comparison with unknown is unknown, `not` of unknown is unknown, ``false and
+unknown`` is false and ``true or unknown`` is true; a rule holds only when its value is known and non-zero, so it
+never fires on data it does not have.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+RANGE_FUNCS = (
+    "increase",
+    "rate",
+    "delta",
+    "avg_over_time",
+    "min_over_time",
+    "max_over_time",
+    "last_over_time",
+    "count_over_time",
+)
+COMPARISONS = (">=", "<=", "==", "!=", ">", "<")
+_DURATION_RE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+_TOKEN_RE = re.compile(
+    r"\s*(?:(?P<dur>\d+[smhd](?:\d+[smhd])*)(?![A-Za-z0-9_])"
+    r"|(?P<num>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)(?![A-Za-z0-9_.])"
+    r"|(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
+    r"|(?P<op>>=|<=|==|!=|[><+\-*/()\[\]]))"
+)
+
+
+class ExprError(ValueError):
+    """A bad expression; ``offset`` is the 0-based character position of the problem."""
+
+    def __init__(self, message: str, offset: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.offset = offset
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text`` (``90s``, ``5m``, ``1h30m``, ``1d``); ValueError with the expected forms."""
+    m = _DURATION_RE.match(text.strip()) if text.strip() else None
+    if not m or not any(m.groups()):
+        raise ValueError(f"{text!r} is not a duration: expected e.g. 30s, 5m, 1h, 1h30m, 1d")
+    d, h, mi, s = (int(g) if g else 0 for g in m.groups())
+    return float(d * 86400 + h * 3600 + mi * 60 + s)
+
+
+# -- AST ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Num:
+    value: float
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class RangeCall:
+    func: str
+    metric: str
+    window_s: float
+    offset: int
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str
+    operand: Node
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str
+    left: Node
+    right: Node
+
+
+Node = Num | Metric | RangeCall | Unary | Binary
+
+
+@dataclass(frozen=True)
+class _Tok:
+    kind: str  # num | dur | name | op | end
+    text: str
+    offset: int
+
+
+def _tokens(text: str) -> list[_Tok]:
+    out: list[_Tok] = []
+    pos = 0
+    while pos < len(text):
+        if text[pos:].strip() == "":
+            break
+        m = _TOKEN_RE.match(text, pos)
+        if not m or m.end() == pos:
+            start = pos + (len(text[pos:]) - len(text[pos:].lstrip()))
+            word = re.match(r"[A-Za-z0-9_.]+", text[start:])
+            if text[start].isdigit() and word:
+                raise ExprError(f"{word.group()!r} is neither a number nor a duration (e.g. 30s, 5m, 1h)", start)
+            raise ExprError(f"unexpected character {text[start]!r}", start)
+        kind = m.lastgroup or "op"
+        out.append(_Tok(kind, m.group(kind), m.start(kind)))
+        pos = m.end()
+    out.append(_Tok("end", "", len(text)))
+    return out
+
+
+class _Parser:
+    def __init__(self, text: str, metrics: Sequence[str], other_level: Sequence[str] = ()) -> None:
+        self.other_level = set(other_level)
+        self.text = text
+        self.toks = _tokens(text)
+        self.i = 0
+        self.metrics = set(metrics)
+        self.windows: list[float] = []
+
+    @property
+    def tok(self) -> _Tok:
+        return self.toks[self.i]
+
+    def take(self) -> _Tok:
+        t = self.toks[self.i]
+        self.i += 1
+        return t
+
+    def expect(self, text: str, what: str) -> _Tok:
+        if self.tok.text != text:
+            raise ExprError(f"expected {what}, found {self._found()}", self.tok.offset)
+        return self.take()
+
+    def _found(self) -> str:
+        return "the end of the expression" if self.tok.kind == "end" else repr(self.tok.text)
+
+    def parse(self) -> Node:
+        if self.tok.kind == "end":
+            raise ExprError("empty expression", 0)
+        node = self.or_()
+        if self.tok.kind != "end":
+            raise ExprError(f"unexpected {self._found()} after a complete expression", self.tok.offset)
+        return node
+
+    def or_(self) -> Node:
+        node = self.and_()
+        while self.tok.text == "or":
+            self.take()
+            node = Binary("or", node, self.and_())
+        return node
+
+    def and_(self) -> Node:
+        node = self.cmp()
+        while self.tok.text == "and":
+            self.take()
+            node = Binary("and", node, self.cmp())
+        return node
+
+    def cmp(self) -> Node:
+        node = self.sum()
+        if self.tok.text in COMPARISONS:
+            op = self.take().text
+            node = Binary(op, node, self.sum())
+            if self.tok.text in COMPARISONS:
+                raise ExprError("comparisons do not chain: use 'and'", self.tok.offset)
+        return node
+
+    def sum(self) -> Node:
+        node = self.term()
+        while self.tok.text in ("+", "-"):
+            op = self.take().text
+            node = Binary(op, node, self.term())
+        return node
+
+    def term(self) -> Node:
+        node = self.unary()
+        while self.tok.text in ("*", "/"):
+            op = self.take().text
+            node = Binary(op, node, self.unary())
+        return node
+
+    def unary(self) -> Node:
+        if self.tok.text == "-":
+            self.take()
+            return Unary("-", self.unary())
+        if self.tok.text == "not":
+            self.take()
+            return Unary("not", self.unary())
+        return self.primary()
+
+    def primary(self) -> Node:
+        t = self.tok
+        if t.kind == "num":
+            self.take()
+            return Num(float(t.text))
+        if t.text == "(":
+            self.take()
+            node = self.or_()
+            self.expect(")", "')'")
+            return node
+        if t.kind == "name" and t.text not in ("and", "or", "not"):
+            self.take()
+            if self.tok.text == "(":
+                return self.call(t)
+            self.check_metric(t)
+            if self.tok.text == "[":
+                raise ExprError(
+                    f"a range selector needs a function: e.g. avg_over_time({t.text}[1h]) or increase({t.text}[1h])",
+                    self.tok.offset,
+                )
+            return Metric(t.text, t.offset)
+        if t.kind == "dur":
+            raise ExprError(f"a duration ({t.text}) is only valid inside [...]", t.offset)
+        raise ExprError(f"expected a number, a metric or a function, found {self._found()}", t.offset)
+
+    def call(self, fn: _Tok) -> Node:
+        if fn.text not in RANGE_FUNCS:
+            raise ExprError(f"unknown function {fn.text!r}: expected one of {', '.join(RANGE_FUNCS)}", fn.offset)
+        self.expect("(", "'('")
+        m = self.tok
+        if m.kind != "name":
+            raise ExprError(
+                f"{fn.text}() takes a metric with a range, e.g. {fn.text}(dsec_melt_down_count[1h])", m.offset
+            )
+        self.take()
+        self.check_metric(m)
+        self.expect("[", f"a range after {m.text}, e.g. [1h]")
+        d = self.tok
+        if d.kind not in ("dur", "num"):
+            raise ExprError(f"expected a duration such as 5m or 1h, found {self._found()}", d.offset)
+        self.take()
+        try:
+            window = parse_duration(d.text)
+        except ValueError as exc:
+            raise ExprError(str(exc), d.offset) from None
+        if window <= 0:
+            raise ExprError("a range must be longer than 0s", d.offset)
+        self.expect("]", "']'")
+        self.expect(")", "')'")
+        self.windows.append(window)
+        return RangeCall(fn.text, m.text, window, fn.offset)
+
+    def check_metric(self, t: _Tok) -> None:
+        if t.text in self.metrics:
+            return
+        if t.text in self.other_level:
+            raise ExprError(f"{t.text!r} is a per-worker metric: use it in a rule with scope level: worker", t.offset)
+        close = difflib.get_close_matches(t.text, sorted(self.metrics), n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ExprError(f"unknown metric {t.text!r}{hint}", t.offset)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """A parsed expression; ``window_s`` is its longest range (how much history it needs)."""
+
+    text: str
+    root: Node
+    window_s: float
+    metrics: frozenset[str]
+
+    def eval(
+        self, instant: Callable[[str], float], ranged: Callable[[str, float], Sequence[tuple[float, float]]], now: float
+    ) -> float:
+        return _eval(self.root, instant, ranged, now)
+
+    def observed(
+        self, instant: Callable[[str], float], ranged: Callable[[str, float], Sequence[tuple[float, float]]], now: float
+    ) -> float:
+        """The measured side of a top-level comparison (``increase(...)`` in ``increase(...) > 3``): the evidence
+        an audit event shows. NaN when the expression is not a comparison."""
+        node = self.root
+        if isinstance(node, Binary) and node.op in COMPARISONS:
+            return _eval(node.left, instant, ranged, now)
+        return math.nan
+
+
+def parse(text: str, metrics: Sequence[str], other_level: Sequence[str] = ()) -> Expr:
+    """Parse ``text``; ``metrics`` are the names it may read, ``other_level`` names that exist at another scope
+    level (for a precise message)."""
+    p = _Parser(text, metrics, other_level)
+    root = p.parse()
+    return Expr(text, root, max(p.windows, default=0.0), frozenset(_metrics(root)))
+
+
+def _metrics(node: Node) -> set[str]:
+    if isinstance(node, Metric):
+        return {node.name}
+    if isinstance(node, RangeCall):
+        return {node.metric}
+    if isinstance(node, Unary):
+        return _metrics(node.operand)
+    if isinstance(node, Binary):
+        return _metrics(node.left) | _metrics(node.right)
+    return set()
+
+
+def _truth(x: float) -> bool:
+    return not math.isnan(x) and x != 0.0
+
+
+def _eval(
+    node: Node,
+    instant: Callable[[str], float],
+    ranged: Callable[[str, float], Sequence[tuple[float, float]]],
+    now: float,
+) -> float:
+    if isinstance(node, Num):
+        return node.value
+    if isinstance(node, Metric):
+        return instant(node.name)
+    if isinstance(node, RangeCall):
+        return range_value(node.func, ranged(node.metric, node.window_s), node.window_s)
+    if isinstance(node, Unary):
+        v = _eval(node.operand, instant, ranged, now)
+        if node.op == "-":
+            return -v
+        return math.nan if math.isnan(v) else float(not _truth(v))
+    left = _eval(node.left, instant, ranged, now)
+    right = _eval(node.right, instant, ranged, now)
+    if node.op in ("and", "or"):
+        # Three-valued: unknown (NaN) stays unknown unless the other side decides (false and x, true or x).
+        decisive = 0.0 if node.op == "and" else 1.0
+        sides = [math.nan if math.isnan(v) else float(_truth(v)) for v in (left, right)]
+        if decisive in sides:
+            return decisive
+        return math.nan if any(math.isnan(v) for v in sides) else 1.0 - decisive
+    if math.isnan(left) or math.isnan(right):
+        return math.nan  # unknown: a rule never fires on data it does not have, not even under `not`
+    if node.op == "+":
+        return left + right
+    if node.op == "-":
+        return left - right
+    if node.op == "*":
+        return left * right
+    if node.op == "/":
+        return left / right if right != 0 else math.nan
+    return float(
+        {">": left > right, "<": left < right, ">=": left >= right, "<=": left <= right, "==": left == right,
+         "!=": left != right}[node.op]
+    )  # fmt: skip
+
+
+def range_value(func: str, samples: Sequence[tuple[float, float]], window_s: float) -> float:
+    """A range function over ``samples`` ((t, v), oldest first, already limited to the window)."""
+    values = [v for _, v in samples if not math.isnan(v)]
+    if func == "count_over_time":
+        return float(len(values))
+    if not values:
+        return math.nan
+    if func == "avg_over_time":
+        return sum(values) / len(values)
+    if func == "min_over_time":
+        return min(values)
+    if func == "max_over_time":
+        return max(values)
+    if func == "last_over_time":
+        return values[-1]
+    if func == "delta":
+        return values[-1] - values[0]
+    # increase / rate: growth of a counter, a drop being a reset (the counter restarted from 0).
+    growth = 0.0
+    for prev, cur in itertools.pairwise(values):
+        growth += cur - prev if cur >= prev else cur
+    if func == "increase":
+        return growth
+    return growth / window_s
