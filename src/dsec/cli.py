@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from dsec.cli_common import DEFAULT_ENDPOINT, AdminToken, Endpoint, admin_client, err, fail
+from dsec.cli_launch import launch, placement_app
 from dsec.cli_policy import metrics_app, policy_app
 from dsec.cli_snapshots import snapshots_app
 from dsec.client import ClientError
@@ -29,6 +30,8 @@ app.add_typer(directive_app, name="directive")
 app.add_typer(snapshots_app, name="snapshots")
 app.add_typer(policy_app, name="policy")
 app.add_typer(metrics_app, name="metrics")
+app.add_typer(placement_app, name="placement")
+app.command("launch")(launch)
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 220)

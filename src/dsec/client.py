@@ -200,5 +200,21 @@ class Client:
     def put_policies(self, text: str, source: str = "policies.yaml") -> dict[str, Any]:
         return dict(self.request("PUT", "/v1/policies", json={"text": text, "source": source}))
 
+    def place(self, job: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(self.request("POST", "/v1/placements", json=dict(job)))
+
+    def placement(self, job: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/placements/{job}"))
+
+    def release_placement(self, job: str) -> None:
+        self.request("DELETE", f"/v1/placements/{job}")
+
+    def devices(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/devices")["items"])
+
+    def record_event(self, type: str, data: Mapping[str, Any], pool: str | None = None) -> int:
+        body = {"type": type, "data": dict(data), "pool": pool}
+        return int(self.request("POST", "/v1/events", json=body)["id"])
+
     def metric_series(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/metrics/series"))

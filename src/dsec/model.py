@@ -65,6 +65,9 @@ class EventType(str, enum.Enum):
     RESTORE = "restore"
     POLICY_ACTION = "policy_action"  # a rule changed (or, in a dry run, would have changed) a knob
     POLICY = "policy"  # a rule's state changed: pending, firing, resolved, reset
+    PLACEMENT = "placement"  # a job was placed (devices per worker, score)
+    DEVICE = "device"  # a device's health changed, or a run on it ended (history for its profile)
+    RECOVERY = "recovery"  # a launcher restarted a worker group (phases timed)
     ALERT = "alert"
     ANOMALY = "anomaly"
     LOG = "log"

@@ -1177,3 +1177,33 @@ def test_registered_state_round_trips(tmp_path: Path) -> None:
         state["head"] = 99
         snap.restore_latest()
     assert got == [{"head": 17, "meta": replay_metadata(buf, 32, 17)}]
+
+
+def test_an_optimizer_built_after_the_restore_catches_up(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    actor, critic = torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+    opt_a, opt_c = torch.optim.Adam(actor.parameters(), lr=0.01), torch.optim.Adam(critic.parameters(), lr=0.01)
+    for _ in range(3):
+        x = torch.randn(8, 64)
+        (actor(x).pow(2).mean() + critic(x).mean()).backward()
+        opt_a.step()
+        opt_c.step()
+    with Snapshotter(LocalDirStore(tmp_path), "w", level=0) as snap:
+        snap.register("adam_a", opt_a)
+        snap.register("adam_c", opt_c)
+        snap.take(wait=True)
+    want_c = {k: v.clone() for k, v in opt_c.state[critic.weight].items()}
+    want_w = critic.weight.detach().clone()
+    # A restarted process: the actor's optimizer exists when the restore happens, the critic's is built after.
+    torch.manual_seed(1)
+    actor2, critic2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+    with Snapshotter(LocalDirStore(tmp_path), "w", level=0) as snap:
+        snap.register("adam_a", torch.optim.Adam(actor2.parameters(), lr=0.01))
+        assert snap.restore_latest() is not None
+        assert torch.equal(actor2.weight, actor.weight)
+        opt_c2 = torch.optim.Adam(critic2.parameters(), lr=0.01)
+        snap.register("adam_c", opt_c2)
+        snap.catch_up("adam_c")
+    assert torch.equal(critic2.weight, want_w)
+    for key, value in want_c.items():
+        assert torch.equal(opt_c2.state[critic2.weight][key], value), key

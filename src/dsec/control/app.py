@@ -30,12 +30,15 @@ from dsec.control.http import (
 )
 from dsec.control.ingest import HeartbeatShortcut, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
+from dsec.control.scheduling import job_from_json
 from dsec.control.schemas import (
     NAME_PATTERN,
     ClusterSpec,
     DeviceSpec,
     DirectivePatch,
+    EventRecord,
     HeartbeatRequest,
+    PlacementRequest,
     PolicyUpload,
     PoolUpdate,
     RegisterRequest,
@@ -44,7 +47,7 @@ from dsec.control.schemas import (
 from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import EventQuery, Store, open_store
-from dsec.model import Device, DeviceHealth, EventType, ModelError, Pool, PoolThresholds, WorkerState
+from dsec.model import Device, DeviceHealth, Event, EventType, ModelError, Pool, PoolThresholds, WorkerState
 from dsec.yamlconf import ConfigError, load_file
 
 log = logging.getLogger(__name__)
@@ -281,6 +284,58 @@ def admin_routes() -> APIRouter:
                 422, "invalid", exc.problems[0], "text", details=[{"message": p} for p in exc.problems]
             ) from None
         return JSON(cp.policies.status())
+
+    @r.post("/placements")
+    async def create_placement(body: PlacementRequest, request: Request, authorization: Auth = None) -> Response:
+        """Place a job's worker groups on the inventory; answers every assignment with its score per term, the
+        devices left out and why, and the workers that could not be placed."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        if body.pool is not None and body.pool not in cp.state.pools:
+            raise errors.not_found("pool", body.pool, "pool")
+        placement = await cp.scheduler.place(job_from_json(body.model_dump()))
+        return JSON(placement.to_dict())
+
+    @r.get("/placements")
+    async def list_placements(request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON({"items": [p.to_dict() for _, p in sorted(cp.scheduler.placements.items())]})
+
+    @r.get("/placements/{job}")
+    async def get_placement(job: PoolName, request: Request, authorization: Auth = None) -> Response:
+        """A placement and its explanation."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        placement = cp.scheduler.placements.get(job)
+        if placement is None:
+            raise errors.not_found("placement", job, "job")
+        return JSON(placement.to_dict())
+
+    @r.delete("/placements/{job}", status_code=204)
+    async def delete_placement(job: PoolName, request: Request, authorization: Auth = None) -> Response:
+        """Release a job's devices (the job ended)."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        if not cp.scheduler.release(job):
+            raise errors.not_found("placement", job, "job")
+        return Response(status_code=204)
+
+    @r.get("/profiles")
+    async def device_profiles(request: Request, authorization: Auth = None) -> Response:
+        """Device personalities learned from history: per device and load class, and per worker and model."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON(cp.scheduler.profiles.to_dict())
+
+    @r.post("/events", status_code=201)
+    async def record_event(body: EventRecord, request: Request, authorization: Auth = None) -> Response:
+        """Record a tool's event (a launcher's recovery timeline)."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        ev = Event(ts=cp.clock(), type=EventType(body.type), pool=body.pool, worker_id=body.worker_id, data=body.data)
+        (event_id,) = await cp.record_events([ev])
+        return JSON({"id": event_id}, status_code=201)
 
     @r.get("/metrics/series")
     async def metric_series(request: Request, authorization: Auth = None) -> Response:

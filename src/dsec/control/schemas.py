@@ -196,3 +196,34 @@ class PolicyUpload(Strict):
     model_config = ConfigDict(extra="forbid", str_max_length=1 << 20)
     text: str = Field(..., max_length=1 << 20)
     source: str = Field("policies.yaml", max_length=256)
+
+
+class PlacementWorker(Strict):
+    name: Name
+    role: Literal["learner", "actor", "other"] = "learner"
+    memory_gb: float = Field(8.0, gt=0, le=4096)
+    key: str | None = Field(None, max_length=256)
+
+
+class PlacementGroup(Strict):
+    name: Name
+    workers: list[PlacementWorker] = Field(..., min_length=1, max_length=4096)
+    load_class: Literal["long-episode", "short-episode", "sync-heavy"] = "short-episode"
+    replay_share: bool = False
+
+
+class PlacementRequest(Strict):
+    """Body of POST /v1/placements: a job's worker groups to place."""
+
+    name: Name
+    pool: Name | None = None
+    groups: list[PlacementGroup] = Field(..., min_length=1, max_length=1024)
+
+
+class EventRecord(Strict):
+    """Body of POST /v1/events: an event a tool records (a launcher's recovery timeline, a note)."""
+
+    type: Literal["recovery", "log"]
+    pool: Name | None = None
+    worker_id: str | None = Field(None, max_length=64)
+    data: dict[str, Any] = Field(default_factory=dict)

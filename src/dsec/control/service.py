@@ -21,6 +21,7 @@ from dsec.control import auth, errors
 from dsec.control.judge import Judge, Verdict
 from dsec.control.liveness import Beat, overdue
 from dsec.control.policies import PolicyRunner
+from dsec.control.scheduling import Scheduler
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
@@ -72,6 +73,8 @@ class ControlPlane:
         )
         self.judge = Judge(self.state, settings.judge, self.alerts)
         self.judge.resume_levels = self._resume_levels
+        self.scheduler = Scheduler(self)
+        self.scheduler.load()
         self.policies = PolicyRunner(self)
         self.policies.load()
 
@@ -377,7 +380,8 @@ class ControlPlane:
         now = self.clock()
         row = replace(w.row(), state=WorkerState.DEREGISTERED.value)
         ev = Event(ts=now, type=EventType.DEREGISTERED, worker_id=w.id, pool=w.pool, data={"reason": reason})
-        await self._commit(WriteBatch(workers=[row], events=[ev]))
+        run = self.scheduler.run_record(w, failed=False)
+        await self._commit(WriteBatch(workers=[row], events=[ev] + ([run] if run else [])))
         w.state = WorkerState.DEREGISTERED
         self.judge.forget(w.id)  # a worker that left is judged no more
         return w.to_api()
@@ -467,6 +471,7 @@ class ControlPlane:
         own interval)."""
         lost = await self._mark_lost()
         await self._judge_periodic()
+        await self.scheduler.tick(self.clock())
         await self.policies.tick()
         return lost
 
@@ -503,6 +508,9 @@ class ControlPlane:
                 )
             )
             rows.append(replace(w.row(), state=WorkerState.LOST.value))
+            run = self.scheduler.run_record(w, failed=True)
+            if run is not None:
+                events.append(run)
         await self._commit(WriteBatch(workers=rows, events=events))
         for wid in lost:
             w = self.state.workers[wid]

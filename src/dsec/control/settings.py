@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dsec.control.judge import JudgeConfig
+    from dsec.control.scheduling import DeviceHealthConfig
 
 
 def default_home() -> Path:
@@ -46,6 +47,8 @@ class Settings:
     # Policy engine: the rule file (else $DSEC_HOME/policies.yaml when one was applied) and how often rules run.
     policy_file: Path | None = None
     policy_interval_s: float = 15.0
+    # Degraded-device detection and probation; None: the defaults of DeviceHealthConfig.
+    device_health: DeviceHealthConfig | None = None
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:

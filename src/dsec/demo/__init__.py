@@ -37,6 +37,7 @@ from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
 from dsec.demo import policies as policy_scenes
+from dsec.demo import recovery as recovery_phase
 from dsec.demo import snapshots as snapshot_scenes
 from dsec.render import events_table, pools_table, workers_table
 
@@ -421,18 +422,21 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             # Give the control plane a beat to notice the last deregistrations.
             time.sleep(2 * HEARTBEAT_S)
             scenes_ok = {s.title: s.check(run) for s in SCENES}
-            # Restart the learners from their newest snapshots, as a launcher would after a failure (no chaos).
-            restart = [a if a != str(duration_s) else "4" for a in ppo]
-            console.print("restarting the learners with `dsec run --restore latest` (4 s of training)")
-            restart_env = {**learner_env, "DSEC_RESTORE": "latest"}
-            restart_env.pop("DSEC_CHAOS")
-            again = _spawn("learners-restored", "learner", restart, restart_env, home)
-            procs.append(again)
-            restart_ok = again.popen.wait(timeout=120) == 0
+            # The learners again, now under DSec's supervisor (local launcher): restored from the first run's
+            # snapshots, then one rank killed -9 and the group recovered from its newest snapshots (no chaos).
+            console.print(
+                "restarting the learners under the supervisor from their snapshots, then killing one rank (-9)"
+            )
+            result = recovery_phase.supervised_recovery(
+                run, {**learner_env, "DSEC_SNAPSHOT_DIR": str(snapshot_dir)}, POOL, pool_token, server.url, ppo, home
+            )
             run.state["ppo"] = _ppo_result(procs[0])
-            keeps_learning = snapshot_scenes.keeps_learning(run, run.state["ppo"], _ppo_result(again))
+            keeps_learning = snapshot_scenes.keeps_learning(run, run.state["ppo"], result["ppo"])
             scenes_ok["restart from snapshots: each learner restored (verified), PPO return does not collapse"] = (
-                restart_ok and snapshot_scenes.restored(run) and keeps_learning
+                snapshot_scenes.restored(run) and keeps_learning
+            )
+            scenes_ok["recovery: a rank killed -9 -> group restarted from snapshots by the supervisor, timed"] = (
+                recovery_phase.recovered(run, result)
             )
             scenes_ok["training processes finished cleanly"] = learners_ok
             console.print(pools_table(client.status()))

@@ -2,13 +2,15 @@
 
 What is captured: every ``DistributedDataParallel`` module's inner module (parameters and buffers) and every
 optimizer the user builds (its parameters, even without DDP, and its state), plus RNG states. With
-``DSEC_RESTORE=latest`` (or a snapshot number) the newest verified snapshot is loaded into them before training
-resumes: at the first DDP forward, or else at the first optimizer step, which is then skipped — its gradient was
-computed from the weights before the restore. A step counter kept in a user's own variables is not restorable
-zero-touch; the snapshot's ``step`` (optimizer steps this process made) is reported instead.
+``DSEC_RESTORE=latest`` (or a snapshot number) the newest verified snapshot is loaded into them as they are built,
+before any training: weights, buffers and RNG when the DDP wrapper is built (or, without DDP, when the first
+optimizer is), each optimizer's state as it is built. So the first rollout already uses the restored policy and
+the random streams continue where the snapshot left them. A step counter kept in a user's own variables is not
+restorable zero-touch; the snapshot's ``step`` (optimizer steps this process made) is reported instead.
 
 Environment: DSEC_SNAPSHOT_DIR (off when unset), DSEC_RESTORE (latest | N), DSEC_SNAPSHOT_NAME (default
-``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots).
+``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots),
+DSEC_SNAPSHOT_INTERVAL_S (a job's own period; it wins over the directive's ``snapshot_interval_s``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class ProbeSnapshots:
-    def __init__(self, probe: Probe, root: str, restore: str | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        probe: Probe,
+        root: str,
+        restore: str | None = None,
+        name: str | None = None,
+        interval_s: float | None = None,
+    ) -> None:
         self.probe = probe
+        self.interval_s = interval_s  # the job's own period (DSEC_SNAPSHOT_INTERVAL_S) wins over the directive's
         self.root = root
         self.name = name
         self.restore_request = (restore or "").strip() or None
@@ -47,7 +57,13 @@ class ProbeSnapshots:
         root = env.get("DSEC_SNAPSHOT_DIR")
         if not root:
             return None
-        return cls(probe, root, env.get("DSEC_RESTORE"), env.get("DSEC_SNAPSHOT_NAME") or None)
+        raw = env.get("DSEC_SNAPSHOT_INTERVAL_S")
+        try:
+            interval = float(raw) if raw else None
+        except ValueError:
+            log.error("dsec: DSEC_SNAPSHOT_INTERVAL_S=%r is not a number; the directive's period applies", raw)
+            interval = None
+        return cls(probe, root, env.get("DSEC_RESTORE"), env.get("DSEC_SNAPSHOT_NAME") or None, interval)
 
     # -- discovery -------------------------------------------------------------------------------------
     def _ensure(self) -> Snapshotter | None:
@@ -73,20 +89,28 @@ class ProbeSnapshots:
         if snap is not None:
             snap.register(f"model{self._modules}", ddp)
             self._modules += 1
+            if self.restore_request is not None:
+                self._restore()
 
     def on_optimizer(self, opt: Any) -> None:
         snap = self._ensure()
-        if snap is not None:
-            snap.register(f"optim{self._optimizers}", opt)
-            self._optimizers += 1
+        if snap is None:
+            return
+        name = f"optim{self._optimizers}"
+        snap.register(name, opt)
+        self._optimizers += 1
+        if self.restore_request is not None:
+            self._restore()  # no DDP module: the first optimizer brings the parameters
+        elif snap.restored is not None and self.steps == 0:
+            snap.catch_up(name)  # built after the restore, before training: its state comes from the snapshot
 
     # -- training-thread hooks -----------------------------------------------------------------------------
     def before_forward(self) -> None:
-        if self.restore_request is not None and self._optimizers:
-            self._restore()
+        return None  # restores happen as objects are built (on_module / on_optimizer)
 
     def before_step(self) -> bool:
-        """True when this optimizer step must be skipped (a restore just replaced the weights it would update)."""
+        """True when this optimizer step must be skipped: a restore that could not happen earlier just replaced
+        the weights whose gradient this step would apply."""
         if self.restore_request is not None:
             return self._restore()
         return False
@@ -102,7 +126,7 @@ class ProbeSnapshots:
         request = act.snapshot_now if act.snapshot_now and act.snapshot_now != self._last_request else None
         if request is not None:
             self._last_request = request
-        interval = act.snapshot_interval_s
+        interval = self.interval_s or act.snapshot_interval_s
         snap.poll(step=self.steps, interval_s=float(interval) if interval else None, request=request)
 
     def _restore(self) -> bool:

@@ -170,6 +170,7 @@ class Snapshotter:
         self._force_base = False
         self._last_take = time.monotonic()  # the first periodic snapshot comes one interval after start
         self.published: list[dict[str, Any]] = []  # summaries of this process's snapshots, oldest first
+        self.restored: Loaded | None = None  # the snapshot restore_latest() applied (for catch_up)
         self._thread = threading.Thread(target=self._run, name="dsec-snapshot", daemon=True)
         self._thread.start()
 
@@ -498,6 +499,7 @@ class Snapshotter:
         if loaded is None:
             return None
         self.apply(loaded)
+        self.restored = loaded
         report = RestoreReport(
             loaded.seq,
             loaded.manifest.get("step"),
@@ -549,6 +551,31 @@ class Snapshotter:
         if cuda:
             rng["cuda"] = [tensors[n] for n in cuda]
         _set_rng_state(rng)
+
+    def catch_up(self, oname: str) -> None:
+        """Load the restored snapshot's state into optimizer ``oname``, registered after the restore (a script
+        that builds its optimizers one by one); its parameters too, when no registered module holds them."""
+        import torch
+
+        loaded = self.restored
+        opt = self._optimizers[oname]
+        if loaded is None:
+            return
+        m = loaded.manifest
+        ometa = m["meta"]["optimizers"].get(oname)
+        if ometa is None:
+            raise CorruptSnapshot(f"snapshot has no optimizer {oname}")
+        held = {f"{mn}/{pn}" for mn, mod in self._modules.items() for pn, _ in mod.named_parameters()}
+        needed = [n for n in m["tensors"] if n.startswith(f"{oname}/state/")] + [
+            r for r in ometa["params"] if r not in held
+        ]
+        tensors = {n: loaded.tensor(n) for n in needed}
+        params = [p for g in opt.param_groups for p in g["params"]]
+        with torch.no_grad():
+            for p, ref in zip(params, ometa["params"], strict=False):
+                if ref in tensors:
+                    p.copy_(tensors[ref].to(p.device))
+        self._load_optimizer(opt, oname, ometa, m, tensors)
 
     def _load_optimizer(
         self, opt: Any, oname: str, ometa: dict[str, Any], manifest: dict[str, Any], tensors: dict[str, Any]

@@ -1,0 +1,195 @@
+"""Scheduling inside the control plane: placements with explanations, device personalities learned from history,
+and degraded-device detection with probation.
+
+- **Placements** (``POST /v1/placements``): the job is placed on the control plane's inventory (its devices, their
+  health, the pool's devices and ``gpu_quota``, devices other placements hold) with the learned profiles; the result
+  with its per-term scores is kept (``GET /v1/placements/{job}``) and recorded as a ``placement`` event.
+- **Profiles**: when a worker ends (deregistered or lost) on a device, a ``device`` event of kind ``run`` records how
+  it went (OOM, failure, throttling, memory leak rate, sync jitter, load class); at startup the profiles are
+  rebuilt from those events, so they persist across restarts.
+- **Device health**: a device whose workers are all fleet outliers on step time or sync lag (the judge's robust
+  median/MAD comparison) for ``degrade_after_s`` becomes *degraded*: no new placements, its workers get
+  ``snapshot_now`` (the launcher then moves them from that snapshot), its pool's policy actions are held back while
+  it recovers. After ``probation_after_s`` without a worker it goes on *probation* (placeable, with a penalty);
+  once a worker has run on it for ``probation_s`` without being flagged it is *healthy* again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from dsec.model import Device, DeviceHealth, Event, EventType, WorkerState
+from dsec.scheduler.inventory import from_cluster
+from dsec.scheduler.placement import GroupSpec, JobSpec, Placement, WorkerSpec, place
+from dsec.scheduler.profiles import Profiles, RunRecord, classify_load
+
+if TYPE_CHECKING:
+    from dsec.control.service import ControlPlane
+    from dsec.control.state import LiveWorker
+
+log = logging.getLogger(__name__)
+
+# Fleet features (health/fleet.py) that say "this worker is slow", as opposed to "its episodes are odd".
+SLOW_FEATURES = ("step_ms_mean", "sync_lag_ms_p50", "sync_latency_ms_p50")
+
+
+@dataclass(frozen=True)
+class DeviceHealthConfig:
+    degrade_after_s: float = 3.0  # every worker on the device flagged this long -> degraded
+    probation_after_s: float = 60.0  # degraded and empty this long -> probation
+    probation_s: float = 60.0  # a worker ran this long on a probation device unflagged -> healthy
+    recovery_hold_s: float = 120.0  # policy actions on the pool are held back this long after a degradation
+
+
+def job_from_json(data: dict[str, Any]) -> JobSpec:
+    return JobSpec(
+        str(data["name"]),
+        tuple(
+            GroupSpec(
+                str(g["name"]),
+                tuple(
+                    WorkerSpec(
+                        str(w["name"]), str(w.get("role", "learner")), float(w.get("memory_gb", 8.0)), w.get("key")
+                    )
+                    for w in g["workers"]
+                ),
+                str(g.get("load_class", "short-episode")),
+                bool(g.get("replay_share", False)),
+            )
+            for g in data["groups"]
+        ),
+        data.get("pool"),
+    )
+
+
+class Scheduler:
+    def __init__(self, cp: ControlPlane, config: DeviceHealthConfig | None = None) -> None:
+        self.cp = cp
+        self.config = config or cp.settings.device_health or DeviceHealthConfig()
+        self.placements: dict[str, Placement] = {}
+        self.profiles = Profiles()
+        self._flagged_since: dict[str, float] = {}  # device -> when all its workers were first seen flagged
+        self._since: dict[str, float] = {}  # device -> when it entered its current non-healthy state
+        self._clean_since: dict[str, float] = {}  # probation device -> since when it ran a worker unflagged
+
+    def load(self) -> None:
+        for ev in self.cp._iter_events(EventType.DEVICE):
+            if ev.data.get("kind") == "run" and isinstance(ev.data.get("record"), dict):
+                try:
+                    self.profiles.observe(RunRecord.from_dict(ev.data["record"]))
+                except (KeyError, TypeError, ValueError):
+                    log.warning("skipping an unreadable run record in event %s", ev.id)
+
+    # -- placement ------------------------------------------------------------------------------------------
+    def inventory(self) -> Any:
+        return from_cluster(self.cp.state.devices.values())
+
+    async def place(self, job: JobSpec) -> Placement:
+        pool = self.cp.state.pools.get(job.pool) if job.pool else None
+        allowed = set(pool.devices) if pool is not None and pool.devices else None
+        busy = {a.device for name, p in self.placements.items() if name != job.name for a in p.assignments}
+        placement = place(
+            job,
+            self.inventory(),
+            self.profiles,
+            allowed=allowed,
+            gpu_quota=pool.gpu_quota if pool is not None else None,
+            busy=busy,
+        )
+        self.placements[job.name] = placement
+        summary = {
+            "job": job.name,
+            "complete": placement.complete,
+            "score": placement.score,
+            "devices": {a.worker: a.device for a in placement.assignments},
+            "unplaced": dict(placement.unplaced),
+        }
+        await self.cp.record_events([Event(ts=self.cp.clock(), type=EventType.PLACEMENT, pool=job.pool, data=summary)])
+        return placement
+
+    def release(self, job: str) -> bool:
+        return self.placements.pop(job, None) is not None
+
+    # -- history ------------------------------------------------------------------------------------------------
+    def run_record(self, w: LiveWorker, failed: bool) -> Event | None:
+        """A ``device`` event describing how a worker's run on its device went (None without a known device)."""
+        device = self.cp.state.devices.get(w.info.device or "")
+        if device is None:
+            return None
+        m = w.metrics
+        ceiling = w.directive.fields.memory_ceiling_gb
+        oom = failed and bool(ceiling) and m.get("memory_used_gb", 0.0) >= 0.95 * float(ceiling or 0)
+        record = RunRecord(
+            device=device.id,
+            model=device.model,
+            load_class=classify_load(m),
+            worker_key=f"{w.info.group}/{w.info.role.value}-{w.info.rank}",
+            oom=oom,
+            failed=failed,
+            throttled=False,
+            leak_gb_per_h=max(0.0, m.get("memory_growth_gb_per_h", 0.0)),
+            sync_jitter_ms=max(0.0, m.get("sync_latency_ms_p99", 0.0) - m.get("sync_latency_ms_p50", 0.0)),
+            hours=max(0.0, (self.cp.clock() - w.registered_at) / 3600.0),
+        )
+        self.profiles.observe(record)
+        return Event(
+            ts=self.cp.clock(), type=EventType.DEVICE, pool=w.pool, worker_id=w.id,
+            data={"kind": "run", "device": device.id, "record": record.to_dict()},
+        )  # fmt: skip
+
+    # -- device health ------------------------------------------------------------------------------------------
+    async def tick(self, now: float) -> None:
+        by_device: dict[str, list[LiveWorker]] = {}
+        for w in list(self.cp.state.workers.values()):
+            if w.state is WorkerState.ACTIVE and w.info.device in self.cp.state.devices:
+                by_device.setdefault(str(w.info.device), []).append(w)
+        for dev in list(self.cp.state.devices.values()):
+            ws = by_device.get(dev.id, [])
+            slow = bool(ws) and all(self._slow(w) for w in ws)
+            if dev.health is DeviceHealth.HEALTHY:
+                if not slow:
+                    self._flagged_since.pop(dev.id, None)
+                    continue
+                first = self._flagged_since.setdefault(dev.id, now)
+                if now - first >= self.config.degrade_after_s:
+                    await self._degrade(dev, ws, now)
+            elif dev.health is DeviceHealth.DEGRADED:
+                if not ws and now - self._since.get(dev.id, now) >= self.config.probation_after_s:
+                    await self._set_health(dev, DeviceHealth.PROBATION, now, "empty and quiet since it degraded")
+            elif dev.health is DeviceHealth.PROBATION:
+                if slow:
+                    await self._degrade(dev, ws, now)
+                elif ws:
+                    clean = self._clean_since.setdefault(dev.id, now)
+                    if now - clean >= self.config.probation_s:
+                        await self._set_health(dev, DeviceHealth.HEALTHY, now, "ran a worker through probation")
+                else:
+                    self._clean_since.pop(dev.id, None)
+
+    def _slow(self, w: LiveWorker) -> bool:
+        flags = self.cp.judge.flags.get(w.id, set())
+        return any(f in SLOW_FEATURES for f in flags)
+
+    async def _degrade(self, dev: Device, ws: list[LiveWorker], now: float) -> None:
+        flags = {w.id: sorted(self.cp.judge.flags.get(w.id, set())) for w in ws}
+        await self._set_health(dev, DeviceHealth.DEGRADED, now, "its workers are fleet outliers", flags=flags)
+        if dev.pool:
+            self.cp.state.pool_recovering_until[dev.pool] = now + self.config.recovery_hold_s
+        for w in ws:
+            try:
+                await self.cp.set_directive(w, {"snapshot_now": f"degraded-{dev.id}-{int(now)}"}, "scheduler")
+            except Exception as exc:  # a worker leaving meanwhile must not stop the others' snapshots
+                log.warning("could not ask %s for a snapshot: %s", w.id, exc)
+
+    async def _set_health(self, dev: Device, health: DeviceHealth, now: float, why: str, **extra: Any) -> None:
+        before = dev.health
+        new = replace(dev, health=health)
+        await self.cp.put_device(new)
+        self._since[dev.id] = now
+        self._flagged_since.pop(dev.id, None)
+        self._clean_since.pop(dev.id, None)
+        data = {"kind": "health", "device": dev.id, "from": before.value, "to": health.value, "why": why, **extra}
+        await self.cp.record_events([Event(ts=now, type=EventType.DEVICE, pool=dev.pool, data=data)])
+        log.info("device %s: %s -> %s (%s)", dev.id, before.value, health.value, why)

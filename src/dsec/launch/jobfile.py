@@ -1,0 +1,90 @@
+"""Job files for ``dsec launch``: what to run, in which groups, under which control plane and snapshot store.
+
+Example (``examples/jobs/ppo.yaml``)::
+
+    job: ppo-cartpole
+    pool: pool-0
+    launcher: local                      # local | ray
+    snapshots: {dir: .dsec/snapshots, interval_s: 5}
+    restart: {max_restarts: 3}
+    groups:
+      - name: learners
+        role: learner
+        world_size: 2                    # one process per rank (RANK / WORLD_SIZE / MASTER_* in its environment)
+        memory_gb: 4
+        load_class: short-episode
+        replay_share: false
+        command: [python, examples/ppo_cartpole_ddp.py, --max-seconds, "60"]
+
+The control plane comes from ``--endpoint`` / ``DSEC_ENDPOINT`` and the pool token from ``DSEC_TOKEN`` (for the
+workers' probes) — the same variables ``dsec run`` uses. Errors name file, line and column.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.scheduler.placement import GroupSpec, JobSpec, WorkerSpec
+from dsec.yamlconf import load_file
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SnapshotSettings(_Strict):
+    dir: Path = Path(".dsec/snapshots")
+    interval_s: float | None = Field(None, ge=1, le=86400)
+
+
+class RestartSettings(_Strict):
+    max_restarts: int = Field(3, ge=0, le=1000)
+    resume_timeout_s: float = Field(120.0, gt=0, le=3600)
+
+
+class GroupFile(_Strict):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    role: Literal["learner", "actor", "other"] = "learner"
+    world_size: int = Field(1, ge=1, le=1024)
+    command: list[str] = Field(..., min_length=1)
+    memory_gb: float = Field(4.0, gt=0, le=4096)
+    load_class: Literal["long-episode", "short-episode", "sync-heavy"] = "short-episode"
+    replay_share: bool = False
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class JobFile(_Strict):
+    job: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    pool: str
+    launcher: Literal["local", "ray"] = "local"
+    # local launcher: keep a warm standby process per rank (torch already imported) for fast restarts
+    warm_standby: bool = False
+    snapshots: SnapshotSettings = Field(default_factory=SnapshotSettings)
+    restart: RestartSettings = Field(default_factory=RestartSettings)
+    groups: list[GroupFile] = Field(..., min_length=1)
+
+    def spec(self) -> JobSpec:
+        """The placement request: one worker per rank, named ``<group>-<rank>``."""
+        return JobSpec(
+            self.job,
+            tuple(
+                GroupSpec(
+                    g.name,
+                    tuple(
+                        WorkerSpec(f"{g.name}-{r}", g.role, g.memory_gb, f"{self.job}/{g.name}-{r}")
+                        for r in range(g.world_size)
+                    ),
+                    g.load_class,
+                    g.replay_share,
+                )
+                for g in self.groups
+            ),
+            self.pool,
+        )
+
+
+def load_job(path: str | Path) -> JobFile:
+    return load_file(JobFile, path)

@@ -1,0 +1,416 @@
+"""The ``ray`` launcher: each worker group in a Ray placement group whose bundles sit where DSec's placement put them.
+
+One placement group per worker group, one bundle per worker (``{"CPU": 1, "GPU": 1}``, or ``{"CPU": 1}`` for a
+worker without a device) and, per bundle, a Ray *label selector* naming the node DSec chose::
+
+    ray.util.placement_group.placement_group(
+        bundles=[{"CPU": 1, "GPU": 1}, ...],
+        strategy="STRICT_PACK",                       # "PACK" when the group spans several nodes
+        bundle_label_selector=[{"dsec/node": "node-0"}, ...],  # one selector per bundle, same order
+    )
+
+so every node of the Ray cluster must carry its DSec name as a label: ``ray start --labels "dsec/node=node-0"``
+(or ``labels={"dsec/node": "node-0"}`` for ``ray.init`` / ``ray.cluster_utils.Cluster``). A worker whose placement
+names no node gets an empty selector (any node). Ray picks the GPU *within* the node for each bundle: the worker's
+``CUDA_VISIBLE_DEVICES`` comes from ``ray.get_gpu_ids()`` in its actor, not from ``WorkerLaunch.gpu_index`` (with
+one DSec worker per device the two differ only in numbering, never in sharing).
+
+Each worker is one Ray actor (``max_restarts=0``: DSec's supervisor, not Ray, decides about restarts) scheduled into
+its bundle with ``PlacementGroupSchedulingStrategy``. The actor runs the worker's command as a subprocess (its own
+session, so stopping it reaches its children) with ``worker.env`` plus ``CUDA_VISIBLE_DEVICES``, through a tiny exec
+shim that asks the kernel to SIGKILL it when the actor process dies (``PR_SET_PDEATHSIG``, Linux) — when a node's
+raylet goes away its actors die, and their commands must not live on holding GPUs. The actor's ``run()`` answers
+the exit status; :meth:`RayLauncher.poll` watches those futures with ``ray.wait(..., timeout=0)``: an exit status
+becomes ``Exit(code=status)``, a dead actor (node removed, actor process killed: ``ActorDiedError``) becomes
+``Exit(code=None)``. ``ActorUnavailableError`` is not taken for a death: a node whose raylet stops answering first
+makes its actors *unavailable* until the GCS declares the node dead (health checks: 5 x 3 s by default); meanwhile
+:meth:`~RayLauncher.poll` re-attaches to the command (the actor's ``wait()``) once a second, and only counts the
+worker lost (``code=None``) when Ray says the actor died or after ``unavailable_s``. Workers of a group stopped with
+:meth:`~RayLauncher.stop_group` are not reported.
+
+A placement group that cannot be placed (a node label nobody carries, too few free GPUs there) would wait forever:
+:meth:`RayLauncher.start` waits ``pg_timeout_s`` and then raises a ``RuntimeError`` naming the group. After a node
+is lost Ray keeps the group's placement group in ``RESCHEDULING`` (its label selectors pin the lost bundles to the
+lost node); :meth:`RayLauncher.stop_group` removes it, and the supervisor relaunches the group from a new placement.
+
+Ray is imported lazily: importing DSec never imports Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.launch.base import Exit, WorkerLaunch
+
+NODE_LABEL = "dsec/node"
+
+# Runs as the worker's process: kill me when my parent (the actor) dies, pin CPUs, exec the command.
+# argv: <parent pid> <cpus, comma-separated or empty> <command...>
+_EXEC_SHIM = """
+import os, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(137)  # the actor died before the signal was armed
+if sys.argv[2] and hasattr(os, "sched_setaffinity"):
+    want = {int(c) for c in sys.argv[2].split(",")} & os.sched_getaffinity(0)
+    if want:
+        os.sched_setaffinity(0, want)
+try:
+    os.execvp(sys.argv[3], sys.argv[3:])
+except OSError as e:
+    print(f"dsec: cannot run {sys.argv[3]!r}: {e}", file=sys.stderr)
+    os._exit(127)
+"""
+
+_RUNNER: Any = None  # the Ray actor class, built on first use (Ray is imported lazily)
+
+
+def _runner_class() -> Any:
+    """The actor class, defined in a function so that Ray ships it by value (workers need no DSec install)."""
+    global _RUNNER
+    if _RUNNER is not None:
+        return _RUNNER
+    import ray
+
+    class Runner:
+        def __init__(self, worker: str, command: list[str], env: dict[str, str], cpus: list[int]) -> None:
+            import threading
+
+            self.worker = worker
+            self.command = command
+            self.env = env
+            self.cpus = cpus
+            self.proc: Any = None
+            self.cuda = ""
+            self.error = ""
+            self.spawned = threading.Event()
+
+        def run(self) -> int:
+            """Start the command and answer its exit status (negative: killed by that signal).
+
+            The thread that spawns the command waits for it, so the death signal armed in the child (bound to the
+            spawning thread) only fires when the actor process itself dies."""
+            import os
+            import subprocess
+
+            self.cuda = ",".join(str(i) for i in ray.get_gpu_ids())
+            env = dict(os.environ)
+            env.update(self.env)
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda
+            argv = [sys.executable, "-c", _EXEC_SHIM, str(os.getpid()), ",".join(map(str, self.cpus)), *self.command]
+            try:
+                self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+            except OSError as e:
+                self.error = f"cannot start {self.command[0]!r}: {e}"
+                return 127
+            finally:
+                self.spawned.set()
+            return int(self.proc.wait())
+
+        def wait(self) -> int:
+            """The command's exit status, once it has one (a second way in when run()'s answer was lost)."""
+            self.spawned.wait()
+            return 127 if self.proc is None else int(self.proc.wait())
+
+        def info(self, timeout: float) -> dict[str, Any]:
+            """Where this actor runs and what its command got (waits up to ``timeout`` for the command to start)."""
+            import os
+
+            self.spawned.wait(timeout)
+            ctx = ray.get_runtime_context()
+            return {
+                "node_id": ctx.get_node_id(),
+                "labels": dict(ctx.get_node_labels()),
+                "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+                "cuda_visible_devices": self.cuda,
+                "pid": self.proc.pid if self.proc is not None else None,
+                "actor_pid": os.getpid(),
+                "error": self.error,
+            }
+
+        def terminate(self, grace_s: float) -> int | None:
+            """SIGTERM the command's process group and SIGKILL it after ``grace_s`` (at once when 0); answers its
+            exit status."""
+            import os
+            import signal
+            import subprocess
+
+            self.spawned.wait(max(grace_s, 5.0))
+            proc = self.proc
+            if proc is None:
+                return None
+            if grace_s > 0 and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(grace_s)
+            # SIGKILL the whole process group: the command and whatever it started
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+            code = proc.poll()
+            return int(code) if code is not None else None
+
+    Runner.__name__ = Runner.__qualname__ = "DsecWorker"  # how Ray names it in errors and logs
+    _RUNNER = ray.remote(Runner)
+    return _RUNNER
+
+
+@dataclass
+class _Running:
+    launch: WorkerLaunch
+    actor: Any
+    run_ref: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    reported: bool = False
+    error: str = ""
+    unavailable_since: float = 0.0  # time.monotonic() of the first ActorUnavailableError (0: none)
+    reattach_at: float = 0.0
+
+
+@dataclass
+class _Group:
+    name: str
+    pg: Any
+    strategy: str
+    workers: list[_Running]
+
+
+class RayLauncher:
+    """Launches placed workers as Ray actors in per-group placement groups pinned to DSec's nodes by label."""
+
+    name = "ray"
+    reattach_s = 1.0  # an unavailable actor is asked again for its command's exit at most this often
+    unavailable_s = 60.0  # ... and counted lost (Exit(code=None)) after this long
+
+    def __init__(
+        self,
+        address: str | None = None,
+        namespace: str = "dsec",
+        pg_timeout_s: float = 60.0,
+        *,
+        grace_s: float = 0.0,
+    ) -> None:
+        import ray
+
+        self.pg_timeout_s = pg_timeout_s
+        self.grace_s = grace_s
+        self.namespace = namespace
+        self._owns_ray = False
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=namespace)
+            self._owns_ray = True
+        self._groups: dict[str, _Group] = {}
+        self._stopped = False
+
+    # -- starting ------------------------------------------------------------------------------------------------
+    def start(self, workers: list[WorkerLaunch]) -> None:
+        """Start every worker; all or nothing (a group that cannot be placed stops the groups started here)."""
+        if self._stopped:
+            raise RuntimeError("this RayLauncher is stopped")
+        groups: dict[str, list[WorkerLaunch]] = {}
+        for w in workers:
+            groups.setdefault(w.group, []).append(w)
+        names = [w.worker for w in workers]
+        running = {r.launch.worker for g in self._groups.values() for r in g.workers}
+        dup = sorted({n for n in names if names.count(n) > 1} | (set(names) & running))
+        if dup:
+            raise ValueError(f"worker names must be unique in the job: {', '.join(dup)} given twice or already running")
+        busy = sorted(set(groups) & set(self._groups))
+        if busy:
+            raise ValueError(f"group(s) {', '.join(busy)} already running: stop_group() first")
+        started: list[str] = []
+        try:
+            for group, members in groups.items():
+                self._groups[group] = self._start_group(group, members)
+                started.append(group)
+        except BaseException:
+            for group in started:
+                self.stop_group(group)
+            raise
+
+    def _start_group(self, group: str, members: list[WorkerLaunch]) -> _Group:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles: list[dict[str, float]] = [
+            {"CPU": 1.0, "GPU": 1.0} if w.device is not None else {"CPU": 1.0} for w in members
+        ]
+        selectors = [{NODE_LABEL: w.node} if w.node is not None else {} for w in members]
+        nodes = {w.node for w in members}
+        strategy = "STRICT_PACK" if len(nodes) == 1 and None not in nodes else "PACK"
+        pg = placement_group(
+            bundles, strategy=strategy, name=f"{self.namespace}:{group}", bundle_label_selector=selectors
+        )
+        if not pg.wait(timeout_seconds=self.pg_timeout_s):
+            remove_placement_group(pg)
+            wanted = ", ".join(
+                f"{w.worker}->{w.node or 'any node'}{' (GPU)' if w.device is not None else ''}" for w in members
+            )
+            raise RuntimeError(
+                f"group {group!r} could not be placed within {self.pg_timeout_s:g} s ({strategy} placement group: "
+                f"{wanted}); nodes Ray knows by {NODE_LABEL}: {', '.join(_known_nodes()) or 'none'}"
+            )
+        runner = _runner_class()
+        out = _Group(group, pg, strategy, [])
+        try:
+            for i, w in enumerate(members):
+                actor = runner.options(
+                    num_cpus=1,
+                    num_gpus=1 if w.device is not None else 0,
+                    max_restarts=0,
+                    max_task_retries=0,
+                    max_concurrency=8,  # info()/terminate()/wait() answer while run() waits for the command
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i
+                    ),
+                ).remote(w.worker, list(w.command), dict(w.env), list(w.cpus))
+                out.workers.append(_Running(w, actor, actor.run.remote()))
+            infos = ray.get([r.actor.info.remote(self.pg_timeout_s) for r in out.workers], timeout=self.pg_timeout_s)
+        except Exception as e:  # GetTimeoutError, ActorDiedError (its node went away meanwhile), ...
+            self._teardown(out)
+            raise RuntimeError(f"group {group!r}: its actors did not start within {self.pg_timeout_s:g} s: {e}") from e
+        except BaseException:
+            self._teardown(out)
+            raise
+        for r, info in zip(out.workers, infos, strict=True):
+            r.info = info
+            if info.get("error"):
+                r.error = info["error"]
+        return out
+
+    # -- watching ------------------------------------------------------------------------------------------------
+    def poll(self) -> list[Exit]:
+        """Workers that exited since the last poll (``ray.wait`` with timeout 0: never blocks).
+
+        ``ActorDiedError`` (the node is gone, or the actor was killed) is final: ``Exit(code=None)``.
+        ``ActorUnavailableError`` is not (Ray: "temporarily unavailable", e.g. its raylet stopped answering before
+        the GCS declares the node dead): the launcher re-attaches to the command (``wait()``) at most once per
+        ``reattach_s`` until the actor answers or is declared dead, and gives up (``code=None``) after
+        ``unavailable_s``."""
+        import ray
+
+        now = time.monotonic()
+        for r in self._pending():
+            if r.run_ref is None and now >= r.reattach_at:
+                r.run_ref = r.actor.wait.remote()
+        watched = [r for r in self._pending() if r.run_ref is not None]
+        if not watched:
+            return []
+        refs = [r.run_ref for r in watched]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = {ref.hex() for ref in ready}
+        exits: list[Exit] = []
+        for r in watched:
+            if r.run_ref.hex() not in done:
+                continue
+            code: int | None
+            try:
+                code = int(ray.get(r.run_ref, timeout=0))
+            except ray.exceptions.ActorUnavailableError as e:
+                r.error = _describe(e)
+                r.unavailable_since = r.unavailable_since or now
+                if now - r.unavailable_since < self.unavailable_s:
+                    r.run_ref, r.reattach_at = None, now + self.reattach_s
+                    continue
+                code = None
+            except ray.exceptions.RayError as e:  # ActorDiedError (node gone, actor killed), worker crash, ...
+                code = None
+                r.error = _describe(e)
+            r.reported = True
+            exits.append(Exit(r.launch.worker, r.launch.group, code, time.time()))
+        return exits
+
+    def _pending(self) -> list[_Running]:
+        return [r for g in self._groups.values() for r in g.workers if not r.reported]
+
+    def where(self) -> dict[str, str]:
+        """Worker -> the ``dsec/node`` label of the node its actor actually runs on ("" when it has none)."""
+        return {
+            r.launch.worker: str(r.info.get("labels", {}).get(NODE_LABEL, ""))
+            for g in self._groups.values()
+            for r in g.workers
+        }
+
+    def details(self) -> dict[str, dict[str, Any]]:
+        """Per worker: Ray node id, node labels, GPU ids, the command's CUDA_VISIBLE_DEVICES and pid, the actor's
+        pid, last error."""
+        return {
+            r.launch.worker: {**r.info, "group": r.launch.group, "error": r.error}
+            for g in self._groups.values()
+            for r in g.workers
+        }
+
+    def placement_group(self, group: str) -> Any:
+        """The Ray placement group of a running group (for ``placement_group_table``)."""
+        return self._groups[group].pg
+
+    # -- stopping ------------------------------------------------------------------------------------------------
+    def stop_group(self, group: str, grace_s: float | None = None) -> None:
+        """Stop ``group``'s commands (their process groups: SIGTERM, then SIGKILL after ``grace_s``, default the
+        launcher's ``grace_s``: 0, SIGKILL at once, as a gloo rank whose peer died hangs in its collective anyway),
+        kill its actors, remove its placement group; returns when they are gone. Its workers are no longer reported
+        by :meth:`poll` (a stop is not an exit to act on)."""
+        g = self._groups.pop(group, None)
+        if g is not None:
+            self._teardown(g, self.grace_s if grace_s is None else grace_s)
+
+    def _teardown(self, g: _Group, grace_s: float | None = None) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        grace = self.grace_s if grace_s is None else grace_s
+        actors = [r.actor for r in g.workers]
+        if actors:
+            refs = [a.terminate.remote(grace) for a in actors]
+            # dead actors answer at once (with an error); live ones within the grace period plus SIGKILL's wait
+            ray.wait(refs, num_returns=len(refs), timeout=grace + 10.0)
+            for a in actors:
+                _quietly(ray.kill, a, no_restart=True)
+            runs = [r.run_ref for r in g.workers if r.run_ref is not None]
+            if runs:
+                ray.wait(runs, num_returns=len(runs), timeout=10.0)
+        _quietly(remove_placement_group, g.pg)
+
+    def stop(self) -> None:
+        """Stop every group; shut Ray down when this launcher started it. Idempotent."""
+        if self._stopped:
+            return
+        try:
+            for group in list(self._groups):
+                self.stop_group(group)
+        finally:
+            self._stopped = True
+            if self._owns_ray:
+                import ray
+
+                ray.shutdown()
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:1000]
+
+
+def _quietly(fn: Any, *args: Any, **kwargs: Any) -> None:
+    with contextlib.suppress(Exception):
+        fn(*args, **kwargs)
+
+
+def _known_nodes() -> Iterable[str]:
+    """The ``dsec/node`` labels of the live Ray nodes."""
+    import ray
+
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    labels = (n.get("Labels") or {} for n in nodes if n.get("Alive"))
+    return sorted({str(lab[NODE_LABEL]) for lab in labels if NODE_LABEL in lab})

@@ -1,0 +1,241 @@
+"""Placement of a job's worker groups onto devices: hard constraints, scored preferences, and an explanation.
+
+Hard constraints (a device failing one is *excluded*, with the reason): not degraded or drained, no NVML alarm
+(throttling, uncorrected ECC), inside the pool's devices and its ``gpu_quota``, one worker per device, enough free
+memory for the worker's need. A device on *probation* (readmitted after a degradation) is placeable, last in line
+(the ``probation`` term).
+
+Scored preferences, per assignment (the explanation lists every term):
+
+- ``numa`` (hardware affinity): an actor on the same NUMA node as its group's learner (+1 per such pair);
+- ``nvlink`` (topology affinity): in a group that shares a replay buffer, +1 per NVLink link to an already placed
+  member;
+- ``state`` (state affinity): minus the device's learned risk for the group's load class (profiles.py), plus, for a
+  worker with an OOM history, its affinity to the device model (towards models where it ran stably);
+- ``node``: a group kept on one node (+0.5 per worker) — cross-node gradient sync is the expensive kind.
+
+The search is greedy and deterministic: for each group (largest first), every node that can hold it is tried and
+the best-scoring node wins; a group that fits on no single node is spread over the best devices anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.model import DeviceHealth
+from dsec.scheduler.inventory import Inventory
+from dsec.scheduler.profiles import LOAD_CLASSES, Profiles
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str = "learner"  # learner | actor | other
+    memory_gb: float = 8.0
+    key: str | None = None  # stable identity for history (default: group/name)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    workers: tuple[WorkerSpec, ...]
+    load_class: str = "short-episode"
+    replay_share: bool = False  # its workers share a replay buffer: NVLink between them pays
+
+    def __post_init__(self) -> None:
+        if self.load_class not in LOAD_CLASSES:
+            raise ValueError(f"load_class={self.load_class!r} is invalid: expected one of {', '.join(LOAD_CLASSES)}")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    groups: tuple[GroupSpec, ...]
+    pool: str | None = None
+
+
+@dataclass(frozen=True)
+class Weights:
+    numa: float = 1.0
+    nvlink: float = 1.0
+    state: float = 2.0
+    node: float = 0.5
+
+
+@dataclass(frozen=True)
+class Assignment:
+    worker: str
+    group: str
+    role: str
+    device: str
+    node: str
+    numa_node: int
+    cpus: tuple[int, ...]
+    terms: Mapping[str, float]
+
+    @property
+    def score(self) -> float:
+        return round(sum(self.terms.values()), 4)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "group": self.group,
+            "role": self.role,
+            "device": self.device,
+            "node": self.node,
+            "numa_node": self.numa_node,
+            "cpus": list(self.cpus),
+            "score": self.score,
+            "terms": {k: round(v, 4) for k, v in self.terms.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Placement:
+    job: str
+    assignments: tuple[Assignment, ...]
+    unplaced: Mapping[str, str] = field(default_factory=dict)  # worker -> why
+    excluded: Mapping[str, str] = field(default_factory=dict)  # device -> why
+
+    @property
+    def complete(self) -> bool:
+        return not self.unplaced
+
+    @property
+    def score(self) -> float:
+        return round(sum(a.score for a in self.assignments), 4)
+
+    def device_of(self, worker: str) -> str | None:
+        return next((a.device for a in self.assignments if a.worker == worker), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "complete": self.complete,
+            "score": self.score,
+            "assignments": [a.to_dict() for a in self.assignments],
+            "unplaced": dict(self.unplaced),
+            "excluded": dict(sorted(self.excluded.items())),
+        }
+
+
+def _order(group: GroupSpec) -> list[WorkerSpec]:
+    """Learners first: actors are then placed relative to them."""
+    rank = {"learner": 0, "other": 1, "actor": 2}
+    return sorted(group.workers, key=lambda w: (rank.get(w.role, 1), w.name))
+
+
+def place(
+    job: JobSpec,
+    inventory: Inventory,
+    profiles: Profiles | None = None,
+    *,
+    allowed: set[str] | None = None,
+    gpu_quota: int | None = None,
+    used_memory_gb: Mapping[str, float] | None = None,
+    busy: set[str] | None = None,
+    weights: Weights = Weights(),
+) -> Placement:
+    """Place ``job``; ``allowed`` = the pool's devices (None: all), ``busy`` = devices already running workers."""
+    profiles = profiles or Profiles()
+    used = dict(used_memory_gb or {})
+    busy = set(busy or ())
+    excluded: dict[str, str] = {}
+    for dev in sorted(inventory.devices.values(), key=lambda d: d.id):
+        if allowed is not None and dev.id not in allowed:
+            excluded[dev.id] = "not in the pool"
+        elif dev.health in (DeviceHealth.DEGRADED, DeviceHealth.DRAINED):
+            excluded[dev.id] = f"device is {dev.health.value}"
+        elif dev.id in busy:
+            excluded[dev.id] = "already runs a worker"
+        elif inventory.signals.get(dev.id) is not None and inventory.signals[dev.id].alarming:
+            excluded[dev.id] = "NVML reports throttling or uncorrected ECC errors"
+    free = [d for d in sorted(inventory.devices) if d not in excluded]
+    if gpu_quota is not None:
+        quota_left = max(0, gpu_quota - len(busy & set(allowed or inventory.devices)))
+        for d in free[quota_left:]:
+            excluded[d] = f"over the pool's gpu_quota ({gpu_quota})"
+        free = free[:quota_left]
+    assignments: list[Assignment] = []
+    unplaced: dict[str, str] = {}
+    for group in sorted(job.groups, key=lambda g: (-len(g.workers), g.name)):
+        best: list[Assignment] | None = None
+        for node in sorted(inventory.nodes):
+            candidates = [d for d in free if inventory.devices[d].node == node]
+            trial = _place_group(group, candidates, inventory, profiles, used, weights, one_node=True)
+            if trial is not None and (best is None or _total(trial) > _total(best)):
+                best = trial
+        if best is None:
+            best = _place_group(group, free, inventory, profiles, used, weights, one_node=False)
+        if best is None:
+            for w in group.workers:
+                unplaced[w.name] = (
+                    f"no device left with {w.memory_gb:g} GB free among {len(free)} eligible "
+                    f"(group {group.name} needs {len(group.workers)})"
+                )
+            continue
+        for a in best:
+            free.remove(a.device)
+            used[a.device] = used.get(a.device, 0.0) + next(w.memory_gb for w in group.workers if w.name == a.worker)
+        assignments += best
+    return Placement(job.name, tuple(assignments), unplaced, excluded)
+
+
+def _total(assignments: list[Assignment]) -> float:
+    return sum(a.score for a in assignments)
+
+
+def _place_group(
+    group: GroupSpec,
+    candidates: list[str],
+    inventory: Inventory,
+    profiles: Profiles,
+    used: Mapping[str, float],
+    weights: Weights,
+    one_node: bool,
+) -> list[Assignment] | None:
+    if len(candidates) < len(group.workers):
+        return None
+    left = list(candidates)
+    placed: list[Assignment] = []
+    for w in _order(group):
+        key = w.key or f"{group.name}/{w.name}"
+        best: tuple[float, str, dict[str, float]] | None = None
+        for d in left:
+            dev = inventory.devices[d]
+            if dev.memory_gb and used.get(d, 0.0) + w.memory_gb > dev.memory_gb:
+                continue
+            terms = {
+                "state": weights.state
+                * (-profiles.device_risk(d, group.load_class) + profiles.worker_model_affinity(key, dev.model)),
+                "numa": weights.numa
+                * sum(
+                    1.0
+                    for p in placed
+                    if {p.role, w.role} == {"learner", "actor"}
+                    and p.node == dev.node
+                    and p.numa_node == dev.numa_node
+                    and dev.numa_node >= 0
+                ),
+                "nvlink": weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d))
+                if group.replay_share
+                else 0.0,
+                "node": weights.node if one_node else 0.0,
+                # On probation after a degradation: placeable (it must prove itself), but last in line.
+                "probation": -weights.state if dev.health is DeviceHealth.PROBATION else 0.0,
+            }
+            score = sum(terms.values())
+            if best is None or score > best[0] + 1e-12:
+                best = (score, d, terms)
+        if best is None:
+            return None
+        _, d, terms = best
+        dev = inventory.devices[d]
+        node = inventory.nodes.get(dev.node)
+        cpus = node.cpus_for(dev.numa_node) if node else ()
+        placed.append(Assignment(w.name, group.name, w.role, d, dev.node, dev.numa_node, cpus, terms))
+        left.remove(d)
+    return placed

@@ -1,0 +1,114 @@
+"""Degraded-device detection through the real API: workers on four devices beat over HTTP; the one on a slow
+device is a fleet outlier on step time -> the device is degraded (event), its worker is asked for a snapshot, its
+pool's policy actions are held back, placements avoid it; once empty it goes on probation, and a worker running
+cleanly on it through probation makes it healthy again. Run records feed the device profiles, which survive a
+control-plane restart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import Harness, make_settings, wait_for
+from dsec.client import Client
+from dsec.control.judge import JudgeConfig
+from dsec.control.scheduling import DeviceHealthConfig
+
+FAST = DeviceHealthConfig(degrade_after_s=0.5, probation_after_s=0.5, probation_s=0.5, recovery_hold_s=30)
+
+
+def start(server_factory: Callable[..., Harness], home: Path, port: int | None = None) -> Harness:
+    settings = make_settings(home, device_health=FAST, judge=JudgeConfig(fleet_interval_s=0.1))
+    h = server_factory(settings=settings, port=port, pools=False)
+    return h
+
+
+class Worker:
+    def __init__(self, h: Harness, token: str, device: str) -> None:
+        answer = h.admin.register("pool-a", token=token, role="learner", device=device, heartbeat_interval_s=1.0)
+        self.id = answer["worker_id"]
+        self.client: Client = h.client(answer["worker_token"])
+        self.seq = 0
+        self.version = int(answer["directive"]["version"])
+
+    def beat(self, step_ms: float) -> dict[str, Any]:
+        self.seq += 1
+        a = self.client.heartbeat(self.id, self.seq, acked_directive_version=self.version,
+                                  metrics={"step_ms_mean": step_ms, "updates_total": float(self.seq)})  # fmt: skip
+        if a["directive"] is not None:
+            self.version = int(a["directive"]["version"])
+        return a
+
+
+def device_events(h: Harness) -> list[tuple[str, str, str]]:
+    evs = h.admin.all_events(types=["device"])
+    return [(e["data"]["device"], e["data"]["from"], e["data"]["to"]) for e in evs if e["data"]["kind"] == "health"]
+
+
+def health(h: Harness, device: str) -> str:
+    return next(d["health"] for d in h.admin.devices() if d["id"] == device)
+
+
+def test_slow_device_degrades_then_probation_then_healthy(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    h = start(server_factory, tmp_path / "cp")
+    for i in range(4):
+        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16,
+                                                             "pool": "pool-a"})  # fmt: skip
+    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(4)])
+    token = h.admin.create_token("pool-a")
+    workers = [Worker(h, token, f"gpu-{i}") for i in range(4)]
+    slow = workers[2]
+
+    def beat_all(slow_ms: float = 400.0) -> bool:
+        for w in workers:
+            w.beat(slow_ms if w is slow else 100.0)
+        return True
+
+    def degraded() -> bool:
+        beat_all()
+        return health(h, "gpu-2") == "degraded"
+
+    wait_for(degraded, timeout=15, interval=0.1, what="gpu-2 degraded")
+    assert device_events(h) == [("gpu-2", "healthy", "degraded")]
+    (ev,) = [e for e in h.admin.all_events(types=["device"]) if e["data"]["kind"] == "health"]
+    assert "step_ms_mean" in ev["data"]["flags"][slow.id]
+    # Its worker is asked for a snapshot (the launcher moves it from there); the others are not.
+    snap_now = slow.beat(400.0)["directive"] or h.admin.request("GET", f"/v1/workers/{slow.id}/directive")
+    assert str(h.admin.request("GET", f"/v1/workers/{slow.id}/directive")["desired"]["snapshot_now"]).startswith(
+        "degraded-gpu-2-"
+    ), snap_now
+    assert h.admin.request("GET", f"/v1/workers/{workers[0].id}/directive")["desired"]["snapshot_now"] is None
+    # Placements avoid it now.
+    job = {"name": "j", "pool": "pool-a", "groups": [{"name": "g", "workers": [{"name": "a", "memory_gb": 1}]}]}
+    p = h.admin.place(job)
+    assert p["excluded"]["gpu-2"] == "device is degraded" and p["assignments"][0]["device"] != "gpu-2"
+    h.admin.release_placement("j")
+    # The worker moves away (deregisters): the device is empty -> probation after probation_after_s.
+    slow.client.deregister(slow.id)
+    workers.remove(slow)
+    wait_for(lambda: beat_all() and health(h, "gpu-2") == "probation", timeout=10, interval=0.1, what="probation")
+    # Probation devices are placeable, last in line.
+    p = h.admin.place(
+        {**job, "groups": [{"name": "g", "workers": [{"name": f"w{i}", "memory_gb": 1} for i in range(4)]}]}
+    )
+    on_probation = next(a for a in p["assignments"] if a["device"] == "gpu-2")
+    assert on_probation["terms"]["probation"] < 0
+    h.admin.release_placement("j")
+    # A worker runs cleanly on it through probation -> healthy.
+    newcomer = Worker(h, token, "gpu-2")
+    workers.append(newcomer)
+    wait_for(lambda: beat_all() and health(h, "gpu-2") == "healthy", timeout=10, interval=0.1, what="readmission")
+    assert device_events(h) == [
+        ("gpu-2", "healthy", "degraded"), ("gpu-2", "degraded", "probation"), ("gpu-2", "probation", "healthy")
+    ]  # fmt: skip
+    # The run that ended on gpu-2 is in its profile; profiles survive a restart (rebuilt from events).
+    profiles = h.admin.request("GET", "/v1/profiles")["devices"]
+    assert any(p["device"] == "gpu-2" and p["runs"] == 1 for p in profiles)
+    port = h.port
+    h.close()
+    h2 = start(server_factory, tmp_path / "cp", port=port)
+    assert h2.admin.request("GET", "/v1/profiles")["devices"] == profiles
+    assert health(h2, "gpu-2") == "healthy"

@@ -1,0 +1,157 @@
+"""Kill and recover with real processes: a 2-rank DDP job under the supervisor and the local launcher, one rank
+SIGKILLed -> detected -> the group restarted from its snapshots -> training resumed, each phase timed and recorded.
+Also: a device the control plane marks degraded makes the supervisor move the group to other devices."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Harness, wait_for
+from dsec.launch.jobfile import JobFile
+from dsec.launch.local import LocalLauncher
+from dsec.launch.supervisor import Recovery, Supervisor
+
+pytest.importorskip("torch")
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ddp_rank.py"
+
+
+def job_file(tmp_path: Path, pool: str = "pool-a") -> JobFile:
+    return JobFile.model_validate(
+        {
+            "job": "toy",
+            "pool": pool,
+            "snapshots": {"dir": str(tmp_path / "snaps"), "interval_s": 1},
+            "restart": {"max_restarts": 2, "resume_timeout_s": 60},
+            "groups": [
+                {
+                    "name": "trainers",
+                    "world_size": 2,
+                    "memory_gb": 1,
+                    "env": {"DSEC_HEARTBEAT_INTERVAL": "0.2", "OMP_NUM_THREADS": "1"},
+                    "command": [sys.executable, str(FIXTURE), "--stop-file", str(tmp_path / "stop")],
+                }
+            ],
+        }
+    )
+
+
+@pytest.fixture
+def cp(server_factory: Callable[..., Harness]) -> Harness:
+    h = server_factory(pools=True)
+    for i in range(4):
+        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16})
+    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(4)])
+    return h
+
+
+def snapshotted(h: Harness, since: float, n: int) -> bool:
+    evs = [e for e in h.admin.all_events(types=["snapshot"], since=since) if e["data"].get("status") == "ok"]
+    return len({e["worker_id"] for e in evs}) >= n
+
+
+def supervise_until(sup: Supervisor, cond: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        sup.step()
+        time.sleep(0.02)
+
+
+def test_kill_one_rank_restarts_the_group_from_snapshots(cp: Harness, tmp_path: Path) -> None:
+    job = job_file(tmp_path)
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                     poll_s=0.02, on_recovery=recoveries.append)  # fmt: skip
+    try:
+        sup.start()
+        placed = {a["worker"]: a["device"] for a in sup.placement["assignments"]}
+        assert sorted(placed) == ["trainers-0", "trainers-1"] and len(set(placed.values())) == 2
+        assert cp.admin.placement("toy")["complete"] is True
+        t0 = time.time()
+        supervise_until(sup, lambda: snapshotted(cp, t0, 2), 90, "a snapshot from both ranks")
+        t_kill = time.time()
+        os.kill(launcher.pids("trainers")["trainers-1"], signal.SIGKILL)
+        supervise_until(sup, lambda: recoveries, 90, "the recovery")
+        (rec,) = recoveries
+        assert rec.group == "trainers" and rec.worker == "trainers-1" and rec.code == -signal.SIGKILL
+        assert 0 <= rec.detected_at - t_kill < 1.0, "the supervisor notices a dead rank within a second"
+        assert rec.resumed_at is not None and rec.resumed_at > rec.spawned_at > rec.stopped_at >= rec.detected_at
+        assert len(rec.restored) == 2 and all("/" in r for r in rec.restored), rec.restored  # snapshot ids
+        (ev,) = cp.admin.all_events(types=["recovery"])
+        timings = ev["data"]
+        assert timings["job"] == "toy" and timings["exit_code"] == -signal.SIGKILL
+        assert {"detect_s", "stop_s", "restart_s", "restore_s", "total_s"} <= set(timings)
+        assert timings["total_s"] >= timings["restart_s"] > 0
+
+        def trained_after_restart() -> bool:
+            new = [w for w in cp.admin.workers(pool="pool-a") if w["registered_at"] > rec.spawned_at]
+            return len(new) == 2 and all(w["metrics"].get("updates_total", 0) > 0 for w in new)
+
+        wait_for(trained_after_restart, timeout=60, what="training to resume after the restart")
+        (tmp_path / "stop").touch()
+        assert sup.run(timeout_s=60), sup.failed
+        assert sup.restarts == {"trainers": 1}
+    finally:
+        sup.stop()
+
+
+def test_a_degraded_device_moves_its_group(cp: Harness, tmp_path: Path) -> None:
+    job = job_file(tmp_path)
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                     poll_s=0.02, device_check_s=0.2, on_recovery=recoveries.append)  # fmt: skip
+    try:
+        sup.start()
+        before = {a["worker"]: a["device"] for a in sup.placement["assignments"]}
+        t0 = time.time()
+        supervise_until(sup, lambda: snapshotted(cp, t0, 2), 90, "a snapshot from both ranks")
+        bad = before["trainers-0"]
+        # What the device-health judge does (tested on its own): mark it degraded.
+        cp.admin.request("PUT", f"/v1/devices/{bad}", json={"id": bad, "node": "node-0", "memory_gb": 16,
+                                                            "health": "degraded"})  # fmt: skip
+        supervise_until(sup, lambda: recoveries, 90, "the move")
+        (rec,) = recoveries
+        assert rec.reason == "degraded-device"
+        assert bad not in rec.devices.values() and len(set(rec.devices.values())) == 2
+        assert cp.admin.placement("toy")["excluded"][bad] == "device is degraded"
+        assert rec.resumed_at is not None and len(rec.restored) == 2
+    finally:
+        (tmp_path / "stop").touch()
+        sup.stop()
+
+
+def test_warm_standbys_take_over_a_restarted_group(cp: Harness, tmp_path: Path) -> None:
+    job = job_file(tmp_path)
+    launcher = LocalLauncher(log_dir=tmp_path / "logs", warm=True, refill_after_s=0.0)
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                     poll_s=0.02, on_recovery=recoveries.append)  # fmt: skip
+    try:
+        sup.start()
+        t0 = time.time()
+        supervise_until(sup, lambda: snapshotted(cp, t0, 2) and launcher.standbys_ready("trainers") == 2, 120,
+                        "snapshots and two warm standbys")  # fmt: skip
+        standby_pids = {s.popen.pid for s in launcher._spares["trainers"]}
+        os.kill(launcher.pids("trainers")["trainers-0"], signal.SIGKILL)
+        supervise_until(sup, lambda: recoveries, 90, "the recovery")
+        (rec,) = recoveries
+        assert launcher.warm_starts == 2 and set(launcher.pids("trainers").values()) == standby_pids
+        # The standbys started the probe when they got their job: they registered, restored and report.
+        assert rec.resumed_at is not None and len(rec.restored) == 2 and all("/" in r for r in rec.restored)
+        (tmp_path / "stop").touch()
+        assert sup.run(timeout_s=60), sup.failed
+    finally:
+        (tmp_path / "stop").touch()
+        sup.stop()
