@@ -216,5 +216,17 @@ class Client:
         body = {"type": type, "data": dict(data), "pool": pool}
         return int(self.request("POST", "/v1/events", json=body)["id"])
 
+    def register_runtime(self, **spec: Any) -> dict[str, Any]:
+        return dict(self.request("POST", "/v1/runtimes", json=spec))
+
+    def runtime_report(self, runtime_id: str, token: str | None = None, **report: Any) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/runtimes/{runtime_id}/report", json=report, token=token))
+
+    def push_policy(self, runtime_id: str, policy: str, **params: Any) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/runtimes/{runtime_id}/policies", json={"policy": policy, **params}))
+
+    def deliveries(self, runtime_id: str) -> list[dict[str, Any]]:
+        return list(self.request("GET", f"/v1/runtimes/{runtime_id}/deliveries")["items"])
+
     def metric_series(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/metrics/series"))

@@ -68,6 +68,7 @@ class EventType(str, enum.Enum):
     PLACEMENT = "placement"  # a job was placed (devices per worker, score)
     DEVICE = "device"  # a device's health changed, or a run on it ended (history for its profile)
     RECOVERY = "recovery"  # a launcher restarted a worker group (phases timed)
+    WEBHOOK = "webhook"  # a policy pushed to an agent runtime was delivered or given up (attempts logged)
     ALERT = "alert"
     ANOMALY = "anomaly"
     LOG = "log"

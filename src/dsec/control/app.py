@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from dsec import __version__
-from dsec.control import errors
+from dsec.control import auth, errors
 from dsec.control.auth import bearer
 from dsec.control.errors import ApiError
 from dsec.control.http import (
@@ -39,9 +39,12 @@ from dsec.control.schemas import (
     EventRecord,
     HeartbeatRequest,
     PlacementRequest,
+    PolicyPush,
     PolicyUpload,
     PoolUpdate,
     RegisterRequest,
+    RuntimeRegister,
+    RuntimeReport,
     TokenCreate,
 )
 from dsec.control.service import ControlPlane
@@ -336,6 +339,74 @@ def admin_routes() -> APIRouter:
         ev = Event(ts=cp.clock(), type=EventType(body.type), pool=body.pool, worker_id=body.worker_id, data=body.data)
         (event_id,) = await cp.record_events([ev])
         return JSON({"id": event_id}, status_code=201)
+
+    @r.post("/runtimes", status_code=201)
+    async def register_runtime(body: RuntimeRegister, request: Request, authorization: Auth = None) -> Response:
+        """Register an agent runtime (admin token, or a pool token for its own pool); answers its runtime token,
+        shown once."""
+        cp = _cp(request)
+        token = bearer(authorization)
+        token_pool = cp.pool_of_token(token)
+        if token_pool is not None:
+            if body.pool not in (None, token_pool):
+                raise errors.forbidden(f"this token belongs to pool {token_pool!r}, not pool {body.pool!r}", "pool")
+        else:
+            cp.require_admin(token)
+        pool = body.pool or token_pool
+        if pool is not None and pool not in cp.state.pools:
+            raise errors.not_found("pool", pool, "pool")
+        runtime_token = auth.new_token(auth.RUNTIME_PREFIX)
+        rt = cp.runtimes.register(
+            body.name, body.type, body.callback_url, body.secret, pool, auth.hash_token(runtime_token)
+        )
+        return JSON({**rt.to_api(), "runtime_token": runtime_token}, status_code=201)
+
+    def _runtime(cp: ControlPlane, runtime_id: str) -> Any:
+        rt = cp.runtimes.runtimes.get(runtime_id)
+        if rt is None:
+            raise errors.not_found("runtime", runtime_id, "runtime_id")
+        return rt
+
+    @r.post("/runtimes/{runtime_id}/report")
+    async def runtime_report(
+        runtime_id: WorkerId, body: RuntimeReport, request: Request, authorization: Auth = None
+    ) -> Response:
+        """A runtime's report: concurrent agent instances, average LLM-call latency, function calling on/off."""
+        cp = _cp(request)
+        token = bearer(authorization)
+        if token is None:
+            raise errors.unauthorized()
+        rt = _runtime(cp, runtime_id)
+        if not (auth.same_hash(auth.hash_token(token), rt.token_hash) or cp.is_admin(token)):
+            raise errors.forbidden("this token does not belong to this runtime")
+        cp.runtimes.record_report(rt, body.model_dump())
+        pending = sum(1 for d in cp.runtimes.deliveries_of(rt.id) if d.status == "pending")
+        return JSON({"ok": True, "pending_deliveries": pending})
+
+    @r.get("/runtimes")
+    async def list_runtimes(request: Request, authorization: Auth = None) -> Response:
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON({"items": [rt.to_api() for rt in sorted(cp.runtimes.runtimes.values(), key=lambda r: r.id)]})
+
+    @r.post("/runtimes/{runtime_id}/policies", status_code=202)
+    async def push_policy(
+        runtime_id: WorkerId, body: PolicyPush, request: Request, authorization: Auth = None
+    ) -> Response:
+        """Push a policy to a runtime's callback: signed, retried with backoff; answers the delivery to follow."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        rt = _runtime(cp, runtime_id)
+        d = cp.runtimes.push(rt.id, body.model_dump())
+        return JSON(d.to_api(), status_code=202)
+
+    @r.get("/runtimes/{runtime_id}/deliveries")
+    async def runtime_deliveries(runtime_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
+        """The delivery log: every push with its attempts (time, HTTP status or error, duration) and outcome."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        rt = _runtime(cp, runtime_id)
+        return JSON({"items": [d.to_api() for d in cp.runtimes.deliveries_of(rt.id)]})
 
     @r.get("/metrics/series")
     async def metric_series(request: Request, authorization: Auth = None) -> Response:

@@ -12,6 +12,7 @@ import secrets
 
 ADMIN_PREFIX = "dsa_"
 POOL_PREFIX = "dsp_"
+RUNTIME_PREFIX = "dsr_"
 WORKER_PREFIX = "dsw_"
 
 

@@ -227,3 +227,41 @@ class EventRecord(Strict):
     pool: Name | None = None
     worker_id: str | None = Field(None, max_length=64)
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+class RuntimeRegister(Strict):
+    """Body of POST /v1/runtimes: an agent runtime that wants DSec's policies at its callback URL."""
+
+    name: Name
+    type: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    callback_url: str = Field(..., max_length=2048, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    secret: str = Field(..., min_length=16, max_length=512)
+    pool: Name | None = None
+
+
+class RuntimeReport(Strict):
+    """Body of POST /v1/runtimes/{id}/report."""
+
+    concurrent_agents: int = Field(..., ge=0, le=10_000_000)
+    avg_llm_latency_ms: float = Field(..., ge=0, le=3_600_000)
+    function_calling: bool
+
+
+class PolicyPush(BaseModel):
+    """Body of POST /v1/runtimes/{id}/policies: ``policy`` plus its parameters (JSON scalars or lists of them)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    policy: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+    @model_validator(mode="after")
+    def _params(self) -> PolicyPush:
+        extra = self.model_extra or {}
+        if len(extra) > 32:
+            raise ValueError("at most 32 policy parameters")
+        for key, value in extra.items():
+            if len(key) > 64:
+                raise ValueError(f"parameter name {key[:20]!r}... is longer than 64 characters")
+            items = value if isinstance(value, list) else [value]
+            if len(items) > 256 or not all(v is None or isinstance(v, (bool, int, float, str)) for v in items):
+                raise ValueError(f"parameter {key!r}: expected a JSON scalar or a list of at most 256 scalars")
+        return self

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from dsec.alerts import AlertRouter, LogSink, Sink, WebhookSink
@@ -21,6 +21,7 @@ from dsec.control import auth, errors
 from dsec.control.judge import Judge, Verdict
 from dsec.control.liveness import Beat, overdue
 from dsec.control.policies import PolicyRunner
+from dsec.control.runtimes import Delivery, RuntimeHub
 from dsec.control.scheduling import Scheduler
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.settings import Settings
@@ -75,6 +76,9 @@ class ControlPlane:
         self.judge.resume_levels = self._resume_levels
         self.scheduler = Scheduler(self)
         self.scheduler.load()
+        self.runtimes = RuntimeHub(
+            settings.home / "runtimes.json", settings.webhook_retry, on_outcome=self._webhook_outcome, clock=clock
+        )
         self.policies = PolicyRunner(self)
         self.policies.load()
 
@@ -123,8 +127,17 @@ class ControlPlane:
         return self.writer.alive()
 
     def close(self) -> None:
+        self.runtimes.close()
         self.writer.close()
         self.alerts.close()
+
+    def _webhook_outcome(self, d: Delivery) -> None:
+        """From the delivery thread: the outcome of a policy push, as an event (written, not awaited)."""
+        rt = self.runtimes.runtimes.get(d.runtime_id)
+        data = {"runtime": d.runtime_id, "delivery": d.id, "status": d.status, "policy": d.payload.get("policy"),
+                "attempts": len(d.attempts), "last": asdict(d.attempts[-1]) if d.attempts else None}  # fmt: skip
+        ev = Event(ts=self.clock(), type=EventType.WEBHOOK, pool=rt.pool if rt else None, data=data)
+        self.writer.submit(WriteBatch(events=[ev]))
 
     # -- writes that must be durable first -----------------------------------------------------
     async def _commit(self, batch: WriteBatch) -> list[int]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dsec.control.judge import JudgeConfig
+    from dsec.control.runtimes import RetryPolicy
     from dsec.control.scheduling import DeviceHealthConfig
 
 
@@ -49,6 +50,8 @@ class Settings:
     policy_interval_s: float = 15.0
     # Degraded-device detection and probation; None: the defaults of DeviceHealthConfig.
     device_health: DeviceHealthConfig | None = None
+    # Policy pushes to agent runtimes: retries and timeouts; None: the defaults of RetryPolicy.
+    webhook_retry: RetryPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:

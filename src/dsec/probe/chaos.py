@@ -13,7 +13,9 @@ Exactly one fault kind per clause:
 ``interrupt_episodes``     every episode that ends is reported as interrupted with this reason
 ``grad_spike``             the rank's local gradient is multiplied by this factor before synchronization
 
-Window keys (all optional): ``rank`` (default: every rank), ``after_s`` (from probe start, default 0),
+Window keys (all optional): ``rank`` (default: every rank), ``after_s`` (from the start of training — the
+first DDP model, optimizer, process group or environment the probe sees — so that a slow start-up on a loaded
+machine does not use up the window before there is anything to disturb; default 0),
 ``for_s`` (default: until exit), ``every_s`` (repeat the window with this period). The probe reports
 each window's start and end as ``log`` events carrying the scheduled wall-clock times, which is what
 benchmarks measure reaction times from.
@@ -141,12 +143,23 @@ class Chaos:
         self._clock = clock
         self._t0 = clock()
         self._wall0 = wall()
+        self._wall = wall
+        self._armed = False
         self._lock = threading.Lock()
         self._announced: dict[int, int | None] = {}
         self._ballast: list[bytes] = []
         self._ballast_mb = 0.0
         self._target_mb = 0.0  # fractional MB owed: polls faster than 1 MB per poll must still add up
         self._grown_at: float | None = None
+
+    def arm(self) -> None:
+        """Training started: windows count from now (once; later calls change nothing)."""
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = True
+            self._t0 = self._clock()
+            self._wall0 = self._wall()
 
     @classmethod
     def from_env(cls, spec: str | None, rank: Callable[[], int | None]) -> Chaos | None:

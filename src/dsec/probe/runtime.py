@@ -97,8 +97,10 @@ class Probe:
         return self._reporter
 
     def activity(self, what: str) -> None:
-        """Training activity seen: register now (once)."""
+        """Training activity seen: register now (once), and start the fault-injection clock."""
         self.activities.add(what)
+        if self.chaos is not None:
+            self.chaos.arm()
         if self._reporter is None:
             self.start()
 

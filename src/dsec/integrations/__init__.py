@@ -1,0 +1,1 @@
+"""Integrations of DSec with other systems (agent harnesses, webhooks, native code)."""
