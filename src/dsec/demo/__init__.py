@@ -36,6 +36,7 @@ from dsec.control.app import create_app
 from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
+from dsec.demo import integrations as integration_scenes
 from dsec.demo import policies as policy_scenes
 from dsec.demo import recovery as recovery_phase
 from dsec.demo import snapshots as snapshot_scenes
@@ -243,6 +244,12 @@ SCENES = [
         0.0,
         policy_scenes.load_policies,
         policy_scenes.policy_acted,
+    ),
+    Scene(
+        "webhooks: an agent runtime registers, reports, and receives a signed policy exactly once",
+        0.2,
+        integration_scenes.start_runtime,
+        integration_scenes.runtime_served,
     ),
     Scene(
         "state snapshots: learners snapshot on request and every 3 s, in the background",
