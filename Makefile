@@ -3,10 +3,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-slow check bench serve clean
+.PHONY: setup native demo test test-slow check bench serve clean
 
 setup:
 	@bash scripts/setup.sh
+	@$(MAKE) --no-print-directory native
+
+# libdsec_inject.so (native/, docs/native.md). Without a C compiler: a warning, and the tests that need it skip.
+NATIVE_CC ?= gcc
+NATIVE_SO := build/native/libdsec_inject.so
+native:
+	@if command -v $(NATIVE_CC) >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory -q $(NATIVE_SO) || $(MAKE) --no-print-directory $(NATIVE_SO); \
+	else \
+		echo "warning: $(NATIVE_CC) not found: $(NATIVE_SO) not built (the C library for native programs; its tests will skip)" >&2; \
+	fi
+
+$(NATIVE_SO): native/dsec_inject.c native/dsec_inject.h
+	@mkdir -p $(@D)
+	$(NATIVE_CC) -std=gnu11 -O2 -fPIC -shared -pthread -Wall -Wextra -fvisibility=hidden \
+		-Wl,-soname,libdsec_inject.so -o $@ native/dsec_inject.c -ldl
 
 demo: setup
 	$(BIN)/dsec demo
