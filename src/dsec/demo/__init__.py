@@ -252,6 +252,12 @@ SCENES = [
         integration_scenes.runtime_served,
     ),
     Scene(
+        "libdsec_inject.so: a native program reports episodes through the C library",
+        0.25,
+        integration_scenes.run_native,
+        integration_scenes.native_reported,
+    ),
+    Scene(
         "state snapshots: learners snapshot on request and every 3 s, in the background",
         0.1,
         snapshot_scenes.request_snapshots,
@@ -391,6 +397,8 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
         )
         run = DemoRun(console, client, procs)
         run.state["chaos_learners"] = chaos
+        run.state["pool_token"] = pool_token
+        run.state["endpoint"] = server.url
         pending = list(SCENES)
         try:
             # Wait for every process to register (import torch takes a few seconds per process).

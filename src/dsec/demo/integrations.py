@@ -58,3 +58,48 @@ def runtime_served(run: DemoRun) -> bool:
         f"{log.get('status')} after {len(log.get('attempts', []))} attempt(s), applied {len(state['applied'])}x"
     )
     return log.get("status") == "delivered" and len(state["applied"]) == 1
+
+
+NATIVE_PROGRAM = """
+import sys
+from dsec.integrations import native
+native.init(sys.argv[1], "demo-native")
+for episode in range(20):
+    native.report_episode_end(10.0 + episode, 200)
+native.shutdown()
+"""
+
+
+def run_native(run: DemoRun) -> bool:
+    """A program using libdsec_inject.so through its ctypes binding reports episodes from C's reporter thread."""
+    import os
+    import subprocess
+    import sys
+
+    from dsec.integrations import native
+
+    try:
+        native.library_path()
+    except native.NativeLibraryNotFound as exc:
+        run.state["native"] = {"skipped": str(exc)}
+        return True
+    env = {**os.environ, "DSEC_SANDBOX_ID": "pool-0", "DSEC_TOKEN": run.state["pool_token"],
+           "DSEC_HEARTBEAT_INTERVAL": "0.2"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", NATIVE_PROGRAM, run.state["endpoint"]], env=env, timeout=60,
+                          capture_output=True, check=False)  # fmt: skip
+    run.state["native"] = {"code": done.returncode, "stderr": done.stderr.decode()[-300:]}
+    return True
+
+
+def native_reported(run: DemoRun) -> bool:
+    state = run.state.get("native", {})
+    if "skipped" in state:
+        run.notes.append(f"libdsec_inject.so: not built here ({state['skipped']}); `make native` needs a C compiler")
+        return True
+    workers = [w for w in run.client.workers(pool="pool-0") if w["group"] == "demo-native"]
+    episodes = sum(w["metrics"].get("episodes_total", 0) for w in workers)
+    run.notes.append(
+        f"libdsec_inject.so: a program calling dsec_init / dsec_report_episode_end / dsec_shutdown (ctypes) "
+        f"registered, reported {episodes:.0f} episodes from the C reporter thread and deregistered"
+    )
+    return state.get("code") == 0 and episodes == 20 and all(w["state"] == "deregistered" for w in workers)
