@@ -56,12 +56,12 @@ def plan(
 ) -> None:
     """Place a job file's workers on the control plane's inventory and show why each went where it did."""
     from dsec.client import ClientError
-    from dsec.launch.supervisor import Supervisor
+    from dsec.launch.supervisor import place_job
 
     spec = _job(job)
     with admin_client(endpoint, admin_token) as c:
         try:
-            p = Supervisor(spec, launcher=None, client=c)._place()  # type: ignore[arg-type]
+            p = place_job(spec, c)
         except (ClientError, RuntimeError) as exc:
             raise fail(exc) from None
     out.print_json(json.dumps(p)) if as_json else _print(p)

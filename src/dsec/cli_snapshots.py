@@ -39,6 +39,12 @@ def _split(ident: str, store: Any) -> tuple[str, int | None]:
     return worker, int(seq) if seq else None
 
 
+def _newest_or(ident: str, store: Any) -> tuple[str, int]:
+    """``WORKER/N``, or ``WORKER`` meaning its newest snapshot."""
+    worker, seq = _split(ident, store)
+    return worker, seq if seq is not None else store.manifests(worker)[-1]
+
+
 def _mib(n: Any) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
@@ -87,8 +93,7 @@ def show(
     from dsec.snapshot.reader import read_manifest
 
     store = _store(root)
-    worker, seq = _split(ident, store)
-    seq = seq if seq is not None else store.manifests(worker)[-1]
+    worker, seq = _newest_or(ident, store)
     try:
         m = read_manifest(store, worker, seq)
     except CorruptSnapshot as exc:
@@ -162,8 +167,7 @@ def compact_cmd(
     from dsec.snapshot import CorruptSnapshot, compact
 
     store = _store(root)
-    worker, seq = _split(ident, store)
-    seq = seq if seq is not None else store.manifests(worker)[-1]
+    worker, seq = _newest_or(ident, store)
     try:
         new = compact(store, worker, seq)
     except CorruptSnapshot as exc:

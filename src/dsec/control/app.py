@@ -30,7 +30,6 @@ from dsec.control.http import (
 )
 from dsec.control.ingest import HeartbeatShortcut, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
-from dsec.control.scheduling import job_from_json
 from dsec.control.schemas import (
     NAME_PATTERN,
     ClusterSpec,
@@ -51,6 +50,7 @@ from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import EventQuery, Store, open_store
 from dsec.model import Device, DeviceHealth, Event, EventType, ModelError, Pool, PoolThresholds, WorkerState
+from dsec.scheduler.placement import job_from_dict
 from dsec.yamlconf import ConfigError, load_file
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ def admin_routes() -> APIRouter:
         cp.require_admin(bearer(authorization))
         if body.pool is not None and body.pool not in cp.state.pools:
             raise errors.not_found("pool", body.pool, "pool")
-        placement = await cp.scheduler.place(job_from_json(body.model_dump()))
+        placement = await cp.scheduler.place(job_from_dict(body.model_dump()))
         return JSON(placement.to_dict())
 
     @r.get("/placements")

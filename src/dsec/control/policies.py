@@ -117,7 +117,7 @@ class PolicyRunner:
         now = self.cp.clock()
         since = now - self.series.retention_s
         points: dict[str, list[tuple[float, float]]] = {}
-        recent = [ev for ev in self.cp._iter_events(EventType.MELTDOWN) if ev.ts >= since and ev.pool]
+        recent = [ev for ev in self.cp._iter_events(EventType.MELTDOWN, since=since) if ev.pool]
         for ev in recent:
             assert ev.pool is not None
             points.setdefault(ev.pool, []).append((ev.ts, 1.0))

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from dsec.model import Device, DeviceHealth, Event, EventType, WorkerState
-from dsec.scheduler.inventory import from_cluster
-from dsec.scheduler.placement import GroupSpec, JobSpec, Placement, WorkerSpec, place
+from dsec.scheduler.inventory import Inventory, from_cluster
+from dsec.scheduler.placement import JobSpec, Placement, place
 from dsec.scheduler.profiles import Profiles, RunRecord, classify_load
 
 if TYPE_CHECKING:
@@ -41,27 +41,6 @@ class DeviceHealthConfig:
     probation_after_s: float = 60.0  # degraded and empty this long -> probation
     probation_s: float = 60.0  # a worker ran this long on a probation device unflagged -> healthy
     recovery_hold_s: float = 120.0  # policy actions on the pool are held back this long after a degradation
-
-
-def job_from_json(data: dict[str, Any]) -> JobSpec:
-    return JobSpec(
-        str(data["name"]),
-        tuple(
-            GroupSpec(
-                str(g["name"]),
-                tuple(
-                    WorkerSpec(
-                        str(w["name"]), str(w.get("role", "learner")), float(w.get("memory_gb", 8.0)), w.get("key")
-                    )
-                    for w in g["workers"]
-                ),
-                str(g.get("load_class", "short-episode")),
-                bool(g.get("replay_share", False)),
-            )
-            for g in data["groups"]
-        ),
-        data.get("pool"),
-    )
 
 
 class Scheduler:
@@ -83,7 +62,7 @@ class Scheduler:
                     log.warning("skipping an unreadable run record in event %s", ev.id)
 
     # -- placement ------------------------------------------------------------------------------------------
-    def inventory(self) -> Any:
+    def inventory(self) -> Inventory:
         return from_cluster(self.cp.state.devices.values())
 
     async def place(self, job: JobSpec) -> Placement:

@@ -114,10 +114,10 @@ class ControlPlane:
                 levels[ev.worker_id] = level
         self._resume_levels = {w: lvl for w, lvl in levels.items() if lvl > 0}
 
-    def _iter_events(self, *etypes: EventType) -> Iterable[Event]:
+    def _iter_events(self, *etypes: EventType, since: float | None = None) -> Iterable[Event]:
         after = 0
         while True:
-            page = self.store.query_events(EventQuery(types=etypes, after_id=after, limit=1000))
+            page = self.store.query_events(EventQuery(types=etypes, since=since, after_id=after, limit=1000))
             yield from page
             if len(page) < 1000:
                 return

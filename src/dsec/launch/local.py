@@ -71,7 +71,6 @@ class LocalLauncher:
         self._procs: dict[str, _Proc] = {}
         self._spares: dict[str, list[_Proc]] = {}  # group -> standby processes
         self._spare_n = 0
-        self.started_at: dict[str, float] = {}
         self.warm_starts = 0  # workers started on a standby (for reports and tests)
         # Standbys import torch: start them once a group has settled, not while it is (re)starting on the same CPUs.
         self.refill_after_s = refill_after_s
@@ -112,7 +111,6 @@ class LocalLauncher:
                     preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None,
                 )
                 self._procs[w.worker] = _Proc(w, popen, log)
-            self.started_at[w.worker] = time.time()
         if self.warm:
             for group in sorted({w.group for w in workers}):
                 due = time.monotonic() + self.refill_after_s
@@ -178,11 +176,6 @@ class LocalLauncher:
 
     def pids(self, group: str | None = None) -> dict[str, int]:
         return {n: p.popen.pid for n, p in self._procs.items() if group is None or p.spec.group == group}
-
-    def running(self, group: str | None = None) -> list[str]:
-        return [
-            n for n, p in self._procs.items() if (group is None or p.spec.group == group) and p.popen.poll() is None
-        ]
 
     def stop_group(self, group: str, grace_s: float = 0.0) -> None:
         """SIGKILL every process of the group's workers (their whole sessions); a gloo rank whose peer died hangs

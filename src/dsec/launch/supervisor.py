@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.launch.base import Exit, Launcher, WorkerLaunch
 from dsec.launch.jobfile import JobFile
 from dsec.scheduler.inventory import synthesize
-from dsec.scheduler.placement import place
+from dsec.scheduler.placement import job_to_dict, place
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,20 @@ class Recovery:
         return out
 
 
+def place_job(job: JobFile, client: Any = None) -> dict[str, Any]:
+    """Place a job file's workers: on the control plane's inventory (``client``: an admin Client), or offline on a
+    synthetic one-node inventory with a device per worker. RuntimeError when some worker cannot be placed."""
+    spec = job.spec()
+    if client is not None:
+        placement: dict[str, Any] = client.place(job_to_dict(spec))
+    else:
+        n = sum(len(g.workers) for g in spec.groups)
+        placement = place(spec, synthesize(nodes=1, gpus_per_node=n, numa_per_node=1)).to_dict()
+    if not placement["complete"]:
+        raise RuntimeError(f"job {job.job} cannot be placed: {placement['unplaced']}")
+    return placement
+
+
 class Supervisor:
     def __init__(
         self,
@@ -104,25 +118,7 @@ class Supervisor:
 
     # -- placement and start ----------------------------------------------------------------------------------
     def _place(self) -> dict[str, Any]:
-        spec = self.job.spec()
-        if self.client is not None:
-            request = {
-                "name": spec.name,
-                "pool": spec.pool,
-                "groups": [
-                    {"name": g.name, "load_class": g.load_class, "replay_share": g.replay_share,
-                     "workers": [{"name": w.name, "role": w.role, "memory_gb": w.memory_gb, "key": w.key}
-                                 for w in g.workers]}
-                    for g in spec.groups
-                ],
-            }  # fmt: skip
-            placement: dict[str, Any] = self.client.place(request)
-        else:
-            n = sum(len(g.workers) for g in spec.groups)
-            placement = place(spec, synthesize(nodes=1, gpus_per_node=n, numa_per_node=1)).to_dict()
-        if not placement["complete"]:
-            raise RuntimeError(f"job {self.job.job} cannot be placed: {placement['unplaced']}")
-        return placement
+        return place_job(self.job, self.client)
 
     def _launches(self, group: str, restore: bool) -> list[WorkerLaunch]:
         g = next(x for x in self.job.groups if x.name == group)
@@ -286,7 +282,3 @@ class Supervisor:
         self.placement = self._place()
         log.info("group %s moves off degraded %s", group, ", ".join(bad))
         self._restart(group, f"{group}-*", None, "degraded-device", time.time(), 0.0)
-
-
-def placement_devices(placement: Mapping[str, Any]) -> dict[str, str]:
-    return {a["worker"]: a["device"] for a in placement.get("assignments", [])}

@@ -105,9 +105,6 @@ class ProbeSnapshots:
             snap.catch_up(name)  # built after the restore, before training: its state comes from the snapshot
 
     # -- training-thread hooks -----------------------------------------------------------------------------
-    def before_forward(self) -> None:
-        return None  # restores happen as objects are built (on_module / on_optimizer)
-
     def before_step(self) -> bool:
         """True when this optimizer step must be skipped: a restore that could not happen earlier just replaced
         the weights whose gradient this step would apply."""

@@ -188,7 +188,6 @@ class TorchInstrumentation:
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
             if not getattr(self, "_dsec_hooked", True):
                 inst._install_coordinator(self, original_register)
-            inst._snapshots("before_forward")
             return original_forward(self, *args, **kwargs)
 
         original_init = ddp_cls.__init__  # type: ignore[misc]

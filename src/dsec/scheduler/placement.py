@@ -56,6 +56,42 @@ class JobSpec:
     pool: str | None = None
 
 
+def job_to_dict(job: JobSpec) -> dict[str, Any]:
+    """The JSON form of a job (the body of ``POST /v1/placements``)."""
+    return {
+        "name": job.name,
+        "pool": job.pool,
+        "groups": [
+            {"name": g.name, "load_class": g.load_class, "replay_share": g.replay_share,
+             "workers": [{"name": w.name, "role": w.role, "memory_gb": w.memory_gb, "key": w.key}
+                         for w in g.workers]}
+            for g in job.groups
+        ],
+    }  # fmt: skip
+
+
+def job_from_dict(data: Mapping[str, Any]) -> JobSpec:
+    """The job a :func:`job_to_dict` form (validated by the API's schema) describes."""
+    return JobSpec(
+        str(data["name"]),
+        tuple(
+            GroupSpec(
+                str(g["name"]),
+                tuple(
+                    WorkerSpec(
+                        str(w["name"]), str(w.get("role", "learner")), float(w.get("memory_gb", 8.0)), w.get("key")
+                    )
+                    for w in g["workers"]
+                ),
+                str(g.get("load_class", "short-episode")),
+                bool(g.get("replay_share", False)),
+            )
+            for g in data["groups"]
+        ),
+        data.get("pool"),
+    )
+
+
 @dataclass(frozen=True)
 class Weights:
     numa: float = 1.0
