@@ -10,8 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import Harness, make_settings, wait_for
-from dsec.client import Client
+from dsec.client import ApiError, Client
 from dsec.control.judge import JudgeConfig
 from dsec.control.scheduling import DeviceHealthConfig
 
@@ -112,3 +114,17 @@ def test_slow_device_degrades_then_probation_then_healthy(
     h2 = start(server_factory, tmp_path / "cp", port=port)
     assert h2.admin.request("GET", "/v1/profiles")["devices"] == profiles
     assert health(h2, "gpu-2") == "healthy"
+
+
+def test_placement_requests_with_repeated_names_are_refused(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    h = start(server_factory, tmp_path / "cp")
+    twice = {"name": "j", "groups": [{"name": "g", "workers": [{"name": "a"}, {"name": "a"}]}]}
+    with pytest.raises(ApiError) as info:
+        h.admin.place(twice)
+    assert info.value.status == 422 and info.value.field == "groups" and "a repeated" in info.value.message
+    with pytest.raises(ApiError) as info:
+        h.admin.place({"name": "j", "pool": "nope", "groups": [{"name": "g", "workers": [{"name": "a"}]}]})
+    assert info.value.status == 404 and info.value.field == "pool"
+    assert h.admin.request("GET", "/v1/placements")["items"] == []  # nothing was placed or held

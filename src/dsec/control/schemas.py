@@ -219,6 +219,19 @@ class PlacementRequest(Strict):
     pool: Name | None = None
     groups: list[PlacementGroup] = Field(..., min_length=1, max_length=1024)
 
+    @field_validator("groups")
+    @classmethod
+    def _unique_names(cls, groups: list[PlacementGroup]) -> list[PlacementGroup]:
+        # An assignment is found by worker name, and a group restarts by name: both must be unique in the job.
+        for what, names in (
+            ("group", [g.name for g in groups]),
+            ("worker", [w.name for g in groups for w in g.workers]),
+        ):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"{what} names must be unique in a job: {', '.join(dup)} repeated")
+        return groups
+
 
 class EventRecord(Strict):
     """Body of POST /v1/events: an event a tool records (a launcher's recovery timeline, a note)."""
