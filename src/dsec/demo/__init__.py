@@ -43,6 +43,9 @@ from dsec.demo import snapshots as snapshot_scenes
 from dsec.render import events_table, pools_table, workers_table
 
 POOL = "pool-0"
+# Scenes are timed as fractions of this many seconds (or of --duration when shorter): PPO usually reaches its target
+# in about 20 s here, and scenes that need running learners must play before that, whatever the --duration cap.
+SCENE_HORIZON_S = 30.0
 HEARTBEAT_S = 0.25
 
 
@@ -84,7 +87,8 @@ def _learners(run: DemoRun) -> dict[int, dict[str, Any]]:
 
 
 def _compress_rank1(run: DemoRun) -> bool:
-    learners = _learners(run)
+    # Only a running learner can take a directive (a finished one answers 409).
+    learners = {r: w for r, w in _learners(run).items() if w["state"] == "active"}
     target = learners.get(max(learners)) if learners else None
     before = target["metrics"].get("bytes_per_sync") if target else None
     if target is None or not before:
@@ -410,7 +414,7 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             cursor, recent = 0, list[dict[str, Any]]()
             with Live(console=console, refresh_per_second=4, transient=False) as live:
                 while any(p.popen.poll() is None for p in procs if p.role == "learner"):
-                    frac = (time.time() - t0) / duration_s
+                    frac = (time.time() - t0) / min(duration_s, SCENE_HORIZON_S)
                     for scene in [s for s in pending if frac >= s.at]:
                         if scene.act(run):
                             pending.remove(scene)
