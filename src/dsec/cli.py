@@ -14,6 +14,7 @@ from rich.console import Console
 from dsec.cli_common import DEFAULT_ENDPOINT, AdminToken, Endpoint, admin_client, err, fail
 from dsec.cli_launch import launch, placement_app
 from dsec.cli_policy import metrics_app, policy_app
+from dsec.cli_sim import simulate
 from dsec.cli_snapshots import snapshots_app
 from dsec.client import ClientError
 from dsec.yamlconf import ConfigError
@@ -31,6 +32,7 @@ app.add_typer(snapshots_app, name="snapshots")
 app.add_typer(policy_app, name="policy")
 app.add_typer(metrics_app, name="metrics")
 app.add_typer(placement_app, name="placement")
+app.command("simulate")(simulate)
 app.command("launch")(launch)
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.

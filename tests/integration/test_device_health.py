@@ -15,7 +15,7 @@ import pytest
 from conftest import Harness, make_settings, wait_for
 from dsec.client import ApiError, Client
 from dsec.control.judge import JudgeConfig
-from dsec.control.scheduling import DeviceHealthConfig
+from dsec.scheduler.device_health import DeviceHealthConfig
 
 FAST = DeviceHealthConfig(degrade_after_s=0.5, probation_after_s=0.5, probation_s=0.5, recovery_hold_s=30)
 

@@ -26,6 +26,7 @@ from dsec.health.fleet import FleetConfig, PeerSample, compare
 from dsec.health.interventions import PrecisionGuard, agent_name, stuck_episode
 from dsec.model import Event, EventType, Pool, PoolThresholds, WorkerState
 from dsec.quota import PoolMemory, QuotaConfig, WorkerMemory, plan
+from dsec.scheduler.device_health import SLOW_FEATURES
 
 if TYPE_CHECKING:
     from dsec.control.state import HotState, LiveWorker
@@ -100,6 +101,8 @@ class Judge:
         self.breakers: dict[str, Breaker] = {}
         self.guards: dict[str, PrecisionGuard] = {}
         self.flags: dict[str, set[str]] = {}  # worker -> fleet features it is an outlier on
+        # Workers the last fleet comparison could judge on speed (their role had enough peers reporting it).
+        self.judged: set[str] = set()
         self.slow_pools: set[str] = set()
         self.pool_memory: dict[str, PoolMemory] = {}
         # Breaker levels recorded before a restart (from the durable breaker events), by worker.
@@ -136,6 +139,7 @@ class Judge:
     def forget(self, worker_id: str) -> None:
         for d in (self.breakers, self.guards, self.flags):
             d.pop(worker_id, None)
+        self.judged.discard(worker_id)
 
     # -- per beat --------------------------------------------------------------------------------------
     def on_beat(
@@ -325,12 +329,17 @@ class Judge:
         return out
 
     def _fleet(self, now: float, events: list[Event]) -> None:
+        judged: set[str] = set()
         for pool_name, ws in self._active_by_pool().items():
             samples = [
                 PeerSample(w.id, w.info.role.value, w.info.group, self._features(w.metrics)) for w in ws if w.metrics
             ]
             report = compare(samples, self.config.fleet)
             flagged = report.outliers_by_worker()
+            speed_roles = {
+                st.role for st in report.stats if st.feature in SLOW_FEATURES and st.n >= self.config.fleet.min_peers
+            }
+            judged |= {s.worker_id for s in samples if s.role in speed_roles}
             for w in ws:
                 now_flags = {o.feature: o for o in flagged.get(w.id, [])}
                 before = self.flags.get(w.id, set())
@@ -367,6 +376,7 @@ class Judge:
                     )
                 self.flags[w.id] = set(now_flags)
             self._pool_slowdown(pool_name, ws, now, events)
+        self.judged = judged
 
     @staticmethod
     def _features(metrics: Mapping[str, Any]) -> dict[str, float]:

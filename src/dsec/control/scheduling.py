@@ -17,10 +17,11 @@ and degraded-device detection with probation.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from dsec.model import Device, DeviceHealth, Event, EventType, WorkerState
+from dsec.scheduler.device_health import SLOW_FEATURES, DeviceHealthConfig, DeviceHealthTracker, Occupancy
 from dsec.scheduler.inventory import Inventory, from_cluster
 from dsec.scheduler.placement import JobSpec, Placement, place
 from dsec.scheduler.profiles import Profiles, RunRecord, classify_load
@@ -31,17 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Fleet features (health/fleet.py) that say "this worker is slow", as opposed to "its episodes are odd".
-SLOW_FEATURES = ("step_ms_mean", "sync_lag_ms_p50", "sync_latency_ms_p50")
-
-
-@dataclass(frozen=True)
-class DeviceHealthConfig:
-    degrade_after_s: float = 3.0  # every worker on the device flagged this long -> degraded
-    probation_after_s: float = 60.0  # degraded and empty this long -> probation
-    probation_s: float = 60.0  # a worker ran this long on a probation device unflagged -> healthy
-    recovery_hold_s: float = 120.0  # policy actions on the pool are held back this long after a degradation
-
 
 class Scheduler:
     def __init__(self, cp: ControlPlane, config: DeviceHealthConfig | None = None) -> None:
@@ -49,9 +39,7 @@ class Scheduler:
         self.config = config or cp.settings.device_health or DeviceHealthConfig()
         self.placements: dict[str, Placement] = {}
         self.profiles = Profiles()
-        self._flagged_since: dict[str, float] = {}  # device -> when all its workers were first seen flagged
-        self._since: dict[str, float] = {}  # device -> when it entered its current non-healthy state
-        self._clean_since: dict[str, float] = {}  # probation device -> since when it ran a worker unflagged
+        self.health = DeviceHealthTracker(self.config)
 
     def load(self) -> None:
         for ev in self.cp._iter_events(EventType.DEVICE):
@@ -124,36 +112,29 @@ class Scheduler:
         for w in list(self.cp.state.workers.values()):
             if w.state is WorkerState.ACTIVE and w.info.device in self.cp.state.devices:
                 by_device.setdefault(str(w.info.device), []).append(w)
-        for dev in list(self.cp.state.devices.values()):
-            ws = by_device.get(dev.id, [])
-            slow = bool(ws) and all(self._slow(w) for w in ws)
-            if dev.health is DeviceHealth.HEALTHY:
-                if not slow:
-                    self._flagged_since.pop(dev.id, None)
-                    continue
-                first = self._flagged_since.setdefault(dev.id, now)
-                if now - first >= self.config.degrade_after_s:
-                    await self._degrade(dev, ws, now)
-            elif dev.health is DeviceHealth.DEGRADED:
-                if not ws and now - self._since.get(dev.id, now) >= self.config.probation_after_s:
-                    await self._set_health(dev, DeviceHealth.PROBATION, now, "empty and quiet since it degraded")
-            elif dev.health is DeviceHealth.PROBATION:
-                if slow:
-                    await self._degrade(dev, ws, now)
-                elif ws:
-                    clean = self._clean_since.setdefault(dev.id, now)
-                    if now - clean >= self.config.probation_s:
-                        await self._set_health(dev, DeviceHealth.HEALTHY, now, "ran a worker through probation")
-                else:
-                    self._clean_since.pop(dev.id, None)
+        devices = dict(self.cp.state.devices)
+        occupancy = {
+            d: Occupancy(
+                len(ws),
+                sum(1 for w in ws if w.id in self.cp.judge.judged),
+                sum(1 for w in ws if w.id in self.cp.judge.judged and self._slow(w)),
+            )
+            for d, ws in by_device.items()
+        }
+        for change in self.health.step(now, {d: dev.health for d, dev in devices.items()}, occupancy):
+            dev = devices[change.device]
+            if change.degraded:
+                await self._degrade(dev, by_device.get(dev.id, []), now, change.why)
+            else:
+                await self._set_health(dev, change.after, now, change.why)
 
     def _slow(self, w: LiveWorker) -> bool:
         flags = self.cp.judge.flags.get(w.id, set())
         return any(f in SLOW_FEATURES for f in flags)
 
-    async def _degrade(self, dev: Device, ws: list[LiveWorker], now: float) -> None:
+    async def _degrade(self, dev: Device, ws: list[LiveWorker], now: float, why: str) -> None:
         flags = {w.id: sorted(self.cp.judge.flags.get(w.id, set())) for w in ws}
-        await self._set_health(dev, DeviceHealth.DEGRADED, now, "its workers are fleet outliers", flags=flags)
+        await self._set_health(dev, DeviceHealth.DEGRADED, now, why, flags=flags)
         if dev.pool:
             self.cp.state.pool_recovering_until[dev.pool] = now + self.config.recovery_hold_s
         for w in ws:
@@ -166,9 +147,7 @@ class Scheduler:
         before = dev.health
         new = replace(dev, health=health)
         await self.cp.put_device(new)
-        self._since[dev.id] = now
-        self._flagged_since.pop(dev.id, None)
-        self._clean_since.pop(dev.id, None)
+        self.health.entered(dev.id, now)
         data = {"kind": "health", "device": dev.id, "from": before.value, "to": health.value, "why": why, **extra}
         await self.cp.record_events([Event(ts=now, type=EventType.DEVICE, pool=dev.pool, data=data)])
         log.info("device %s: %s -> %s (%s)", dev.id, before.value, health.value, why)

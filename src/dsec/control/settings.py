@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dsec.control.judge import JudgeConfig
     from dsec.control.runtimes import RetryPolicy
-    from dsec.control.scheduling import DeviceHealthConfig
+    from dsec.scheduler.device_health import DeviceHealthConfig
 
 
 def default_home() -> Path:

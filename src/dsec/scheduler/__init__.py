@@ -1,6 +1,7 @@
 """Scheduling: device inventory (NVML / file / synthetic), affinity- and history-aware placement with
 explanations, device personality profiles learned from history, and degraded-device detection."""
 
+from dsec.scheduler.device_health import DeviceHealthConfig, DeviceHealthTracker, HealthChange, Occupancy
 from dsec.scheduler.inventory import (
     DeviceSignals,
     Inventory,
@@ -16,11 +17,15 @@ from dsec.scheduler.profiles import LOAD_CLASSES, Profiles, RunRecord, classify_
 __all__ = [
     "LOAD_CLASSES",
     "Assignment",
+    "DeviceHealthConfig",
+    "DeviceHealthTracker",
     "DeviceSignals",
     "GroupSpec",
+    "HealthChange",
     "Inventory",
     "JobSpec",
     "NodeInfo",
+    "Occupancy",
     "Placement",
     "Profiles",
     "RunRecord",

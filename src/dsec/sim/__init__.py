@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator driving DSec's own decision code in virtual time (docs/simulator.md)."""

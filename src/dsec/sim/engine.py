@@ -1,0 +1,399 @@
+"""The discrete-event loop: world state, progress accounting and outcomes, shared by every regime.
+
+Time is virtual: nothing sleeps. Trace events (faults) and the loop's own events (a group back up after a restart,
+a checkpoint or snapshot due) are processed in time order; every ``sample_interval_s`` the workers' telemetry is
+computed from the world models and handed to the regime, which decides (the DSec regime by calling DSec's own
+modules), and the groups' training rates for the next interval follow from the result.
+
+Progress is accounted exactly between events: a running group advances at its current rate (useful optimizer steps
+per second, already discounted by statistical efficiency); a failure rolls it back to its last durable point
+(checkpoint or snapshot); a checkpoint or snapshot costs its blocking time at the current rate.
+
+The group's step, per sample (the learner synchronizes with every worker of the group):
+
+- a worker arrives at the sync after its compute time (slowed while its card throttles) plus its sync time
+  (latency with noise and jitter, plus the transfer of its gradient at its compression; with gradient accumulation
+  it synchronizes every 4th step, so it holds the group up a quarter as often — a fluid approximation);
+- the learner waits up to ``straggler_timeout_ms`` past the median arrival, then goes on without the late ones
+  (their gradients are dropped: a failed sync);
+- a worker whose asynchronous sampling is paused contributes no samples and does not hold the group up;
+- the step is worth the mean of its workers' contributions: 0 for dropped or paused, otherwise the statistical
+  efficiency of what was sent (4-bit compression, accumulation staleness).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dsec.sim.scenario import Scenario
+from dsec.sim.world import Kind, Layout, Trace, Truth, generate, layout_of, sample_noise, truth_of
+
+if TYPE_CHECKING:
+    from dsec.sim.regimes import Regime
+
+RUN, DOWN, PENDING = 0, 1, 2
+_UP, _DURABLE = 0, 1
+
+
+@dataclass
+class Interruption:
+    t: float
+    group: int
+    cause: str  # crash | oom | power | migration
+    workers: int  # workers whose process ended
+    recovery_s: float  # from the failure to training again (restart; without time spent waiting for capacity)
+    rolled_back_steps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "t": round(self.t, 1),
+            "group": self.group,
+            "cause": self.cause,
+            "workers": self.workers,
+            "recovery_s": round(self.recovery_s, 3),
+            "rolled_back_steps": round(self.rolled_back_steps, 2),
+        }
+
+
+@dataclass
+class Outcome:
+    """What one regime did with the scenario; see :func:`summarize` for the derived figures."""
+
+    regime: str
+    duration_s: float
+    groups: int
+    workers: int
+    gpus_per_group: float
+    ideal_rate: float  # fault-free useful steps/s of one group
+    progress: np.ndarray  # useful steps per group
+    down_s: np.ndarray  # restarting
+    pending_s: np.ndarray  # waiting for capacity
+    blocked_s: np.ndarray  # checkpoint / snapshot cost
+    rolled_back: np.ndarray  # useful steps lost to failures
+    sync_ops: float
+    sync_ok: float
+    interruptions: list[Interruption]
+    meltdowns: int | None
+    timeline: list[tuple[float, float]]  # (t, total useful steps)
+    decisions: dict[str, int] = field(default_factory=dict)  # what the regime's control did, by kind
+    wall_s: float = 0.0
+    peak_rss_mb: float = 0.0
+
+
+class Simulation:
+    def __init__(self, sc: Scenario, regime: Regime, trace: Trace | None = None, truth: Truth | None = None) -> None:
+        self.sc = sc
+        self.layout: Layout = layout_of(sc)
+        self.truth = truth if truth is not None else truth_of(sc, np.random.default_rng([sc.seed, 1]))
+        self.trace = trace if trace is not None else generate(sc, self.layout, self.truth)
+        g, n = sc.groups.count, sc.groups.size
+        self.G, self.n, self.N = g, n, sc.workers
+        self.group_of = np.arange(self.N) // n
+        self.is_learner = (np.arange(self.N) % n) < sc.groups.learners
+        self.slot_of = np.full(self.N, -1, dtype=np.int64)
+        self.occupant = np.full(self.layout.slots, -1, dtype=np.int64)
+        self.run_start = np.zeros(self.N)
+        self.burst_t0 = np.full(self.N, -math.inf)
+        self.burst_gb = np.zeros(self.N)
+        self.burst_end = np.full(self.N, -math.inf)
+        self.jitter = np.zeros(self.N, dtype=np.int64)
+        self.card_off = np.zeros(self.layout.cards, dtype=bool)
+        self.throttled = np.zeros(self.layout.cards, dtype=np.int64)
+        self.saw_throttle = np.zeros(self.N, dtype=bool)  # throttling seen (as NVML reports it) during the run
+        # Per-worker controls in force (the regime sets them): fraction of uncompressed bytes, accumulation, paused.
+        self.bits_frac = np.ones(self.N)
+        self.accum = np.ones(self.N)
+        self.paused = np.zeros(self.N, dtype=bool)
+        # Groups.
+        self.status = np.full(g, PENDING)
+        self.epoch = np.zeros(g, dtype=np.int64)
+        self.progress = np.zeros(g)
+        self.durable = np.zeros(g)
+        self.rate = np.zeros(g)  # useful steps/s
+        self.raw_rate = np.zeros(g)  # optimizer steps/s
+        self.syncing = np.zeros(g)  # workers synchronizing per step
+        self.dropped = np.zeros(g)  # of which dropped per step
+        self.acc_t = np.zeros(g)
+        self.down_since = np.zeros(g)
+        self.pending_since = np.zeros(g)
+        self.down_s = np.zeros(g)
+        self.pending_s = np.zeros(g)
+        self.blocked_s = np.zeros(g)
+        self.rolled_back = np.zeros(g)
+        self.sync_ops = np.zeros(g)  # gradient syncs attempted / succeeded, per group
+        self.sync_ok = np.zeros(g)
+        self.last_step_s = np.full(g, sc.groups.step_s)
+        self.interruptions: list[Interruption] = []
+        self.timeline: list[tuple[float, float]] = []
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.regime = regime
+        grp = sc.groups
+        self.transfer_ms = grp.gradient_mb / sc.network.link_mb_per_s * 1000.0
+        self.ideal_step_s = grp.step_s + (sc.network.base_latency_ms + self.transfer_ms) / 1000.0
+        regime.attach(self)
+
+    # -- helpers the regimes use ------------------------------------------------------------------------------------
+    def workers_of(self, g: int) -> range:
+        return range(g * self.n, (g + 1) * self.n)
+
+    def free_slots(self) -> np.ndarray:
+        usable = ~np.repeat(self.card_off, self.layout.workers_per_gpu)
+        return np.flatnonzero((self.occupant < 0) & usable)
+
+    def card_of_worker(self) -> np.ndarray:
+        """Card of each worker (-1: none)."""
+        return np.where(self.slot_of >= 0, self.slot_of // self.layout.workers_per_gpu, -1)
+
+    def memory(self, t: float) -> np.ndarray:
+        """Memory each worker uses at ``t`` (the world model; placed workers only, others 0)."""
+        mem = self.sc.groups.memory
+        placed = self.slot_of >= 0
+        card = np.where(placed, self.slot_of // self.layout.workers_per_gpu, 0)
+        leak = self.truth.leak_gb_per_h[card] * np.maximum(0.0, t - self.run_start) / 3600.0
+        in_burst = (t >= self.burst_t0) & (t < self.burst_end)
+        ramp = np.clip((t - self.burst_t0) / mem.burst_ramp_s, 0.0, 1.0) if mem.burst_ramp_s > 0 else 1.0
+        burst = np.where(in_burst, self.burst_gb * ramp, 0.0)
+        burst = np.where(self.accum > 1, burst * mem.accumulation_burst_factor, burst)
+        return np.where(placed, mem.base_gb + leak + burst, 0.0)
+
+    def _push(self, t: float, kind: int, g: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, g, int(self.epoch[g])))
+
+    # -- group lifecycle ---------------------------------------------------------------------------------------------
+    def account(self, g: int, t: float) -> None:
+        """Advance group ``g`` to ``t`` at its current rate (not past a stall: ``acc_t`` may lie ahead)."""
+        if self.status[g] == RUN and t > self.acc_t[g]:
+            dt = t - self.acc_t[g]
+            self.progress[g] += self.rate[g] * dt
+            steps = self.raw_rate[g] * dt
+            self.sync_ops[g] += steps * self.syncing[g]
+            self.sync_ok[g] += steps * (self.syncing[g] - self.dropped[g])
+        self.acc_t[g] = max(self.acc_t[g], t)
+
+    def _account_all(self, t: float) -> None:
+        run = self.status == RUN
+        dt = np.where(run, np.maximum(0.0, t - self.acc_t), 0.0)
+        self.progress += self.rate * dt
+        steps = self.raw_rate * dt
+        self.sync_ops += steps * self.syncing
+        self.sync_ok += steps * (self.syncing - self.dropped)
+        self.acc_t = np.maximum(self.acc_t, t)
+
+    def start(self, g: int, t: float, delay_s: float) -> None:
+        """Group ``g`` (all its workers placed) trains again after ``delay_s``."""
+        if self.status[g] == PENDING:
+            self.pending_s[g] += t - self.pending_since[g]
+        self.status[g] = DOWN
+        self.down_since[g] = t
+        self.rate[g] = self.raw_rate[g] = 0.0
+        ws = self.workers_of(g)
+        self.run_start[ws] = t + delay_s
+        self.saw_throttle[ws] = False
+        self.burst_end[ws] = -math.inf  # a new process: what the old one held is gone
+        self._push(t + delay_s, _UP, g)
+
+    def park(self, g: int, t: float) -> None:
+        """Group ``g`` waits for capacity (some worker has no slot)."""
+        if self.status[g] == DOWN:
+            self.down_s[g] += t - self.down_since[g]
+        if self.status[g] != PENDING:
+            self.pending_since[g] = t
+        self.status[g] = PENDING
+        self.rate[g] = self.raw_rate[g] = 0.0
+
+    def assign(self, w: int, slot: int) -> None:
+        old = self.slot_of[w]
+        if old >= 0:
+            self.occupant[old] = -1
+        if slot >= 0:
+            assert self.occupant[slot] < 0, f"slot {slot} is taken"
+            self.occupant[slot] = w
+        self.slot_of[w] = slot
+
+    def fail(self, g: int, t: float, cause: str, victims: list[int], durable_first: bool = False) -> None:
+        """Workers ``victims`` of group ``g`` ended at ``t`` (crash, OOM, power, migration); the group stops and
+        the regime restarts it. ``durable_first``: the state was saved just before (planned moves)."""
+        if self.status[g] == PENDING:
+            return
+        self.account(g, t)
+        if self.status[g] == DOWN:
+            self.down_s[g] += t - self.down_since[g]
+        if durable_first:
+            self.durable[g] = self.progress[g]
+        lost = self.progress[g] - self.durable[g]
+        self.rolled_back[g] += lost
+        self.progress[g] = self.durable[g]
+        self.epoch[g] += 1
+        self.status[g] = DOWN  # until the regime decides
+        self.down_since[g] = t
+        self.rate[g] = self.raw_rate[g] = 0.0
+        recovery = self.regime.restart(g, t, cause, victims)
+        self.interruptions.append(Interruption(t, g, cause, len(victims), recovery, lost))
+
+    # -- the loop ------------------------------------------------------------------------------------------------------
+    def run(self) -> Outcome:
+        wall0 = time.perf_counter()
+        sc = self.sc
+        horizon = sc.duration_h * 3600.0
+        dt = sc.sample_interval_s
+        self.regime.place_all(0.0)
+        ticks = math.floor(horizon / dt + 1e-9)
+        ti = 0
+        tr = self.trace
+        timeline_every = max(1, round(600.0 / dt))
+        for k in range(1, ticks + 1):
+            t_sample = k * dt
+            while True:
+                next_trace = tr.times[ti] if ti < len(tr) else math.inf
+                next_own = self._heap[0][0] if self._heap else math.inf
+                t_next = min(next_trace, next_own)
+                if t_next > t_sample:
+                    break
+                if next_own <= next_trace:
+                    self._own_event(*heapq.heappop(self._heap))
+                else:
+                    self._trace_event(float(tr.times[ti]), int(tr.kinds[ti]), int(tr.targets[ti]), float(tr.values[ti]))
+                    ti += 1
+            self.now = t_sample
+            self._sample(k, t_sample)
+            if k % timeline_every == 0 or k == ticks:
+                self.timeline.append((t_sample, float(self.progress.sum())))
+        self._account_all(horizon)
+        for g in range(self.G):
+            if self.status[g] == DOWN:
+                self.down_s[g] += horizon - self.down_since[g]
+            elif self.status[g] == PENDING:
+                self.pending_s[g] += horizon - self.pending_since[g]
+        return Outcome(
+            regime=self.regime.name,
+            duration_s=horizon,
+            groups=self.G,
+            workers=self.N,
+            gpus_per_group=self.n / self.layout.workers_per_gpu,
+            ideal_rate=1.0 / self.ideal_step_s,
+            progress=self.progress.copy(),
+            down_s=self.down_s.copy(),
+            pending_s=self.pending_s.copy(),
+            blocked_s=self.blocked_s.copy(),
+            rolled_back=self.rolled_back.copy(),
+            sync_ops=float(self.sync_ops.sum()),
+            sync_ok=float(self.sync_ok.sum()),
+            interruptions=list(self.interruptions),
+            meltdowns=self.regime.meltdowns(),
+            timeline=list(self.timeline),
+            decisions=self.regime.decisions(),
+            wall_s=time.perf_counter() - wall0,
+        )
+
+    def _own_event(self, t: float, _seq: int, kind: int, g: int, epoch: int) -> None:
+        if epoch != self.epoch[g]:
+            return  # the group failed since this was scheduled
+        if kind == _UP and self.status[g] == DOWN:
+            self.down_s[g] += t - self.down_since[g]
+            self.status[g] = RUN
+            self.acc_t[g] = t
+            self._rates_for([g], t)
+            self._push(t + self.regime.durable_interval_s, _DURABLE, g)
+        elif kind == _DURABLE and self.status[g] == RUN:
+            self.account(g, t)
+            self.durable[g] = self.progress[g]
+            cost = self.regime.durable_cost_s
+            self.acc_t[g] = t + cost  # training stands still while the state is saved
+            self.blocked_s[g] += cost
+            self._push(t + self.regime.durable_interval_s, _DURABLE, g)
+
+    def _trace_event(self, t: float, kind: int, target: int, value: float) -> None:
+        if kind == Kind.THROTTLE_ON:
+            self.throttled[target] += 1
+            on = self.slot_of >= 0
+            self.saw_throttle |= on & (self.slot_of // self.layout.workers_per_gpu == target)
+        elif kind == Kind.THROTTLE_OFF:
+            self.throttled[target] = max(0, self.throttled[target] - 1)
+        elif kind == Kind.CRASH:
+            w = int(self.occupant[target])
+            if w >= 0 and self.status[self.group_of[w]] == RUN:
+                self.fail(int(self.group_of[w]), t, "crash", [w])
+        elif kind == Kind.BURST:
+            ramp = self.sc.groups.memory.burst_ramp_s
+            self.burst_t0[target] = t
+            self.burst_gb[target] = value
+            self.burst_end[target] = t + ramp + self.sc.groups.memory.burst_s
+        elif kind == Kind.JITTER_ON:
+            self.jitter[target] += 1
+        elif kind == Kind.JITTER_OFF:
+            self.jitter[target] = max(0, self.jitter[target] - 1)
+        elif kind == Kind.POWER_OFF:
+            cards = list(self.trace.power_cards)
+            self.regime.power_off(t, cards)
+        elif kind == Kind.POWER_ON:
+            self.card_off[list(self.trace.power_cards)] = False
+            self.regime.capacity_back(t)
+
+    # -- a sample: telemetry, decisions, rates -----------------------------------------------------------------------
+    def _sample(self, k: int, t: float) -> None:
+        self._account_all(t)
+        sc = self.sc
+        normal, expo = sample_noise(sc.seed, k, self.N)
+        card = self.card_of_worker()
+        placed = card >= 0
+        slow = np.where(placed & (self.throttled[np.maximum(card, 0)] > 0), sc.cluster.throttle_slowdown, 1.0)
+        compute_s = sc.groups.step_s * slow
+        net = sc.network
+        sigma = net.noise_sigma
+        base = net.base_latency_ms + np.where(self.jitter > 0, net.jitter.extra_ms * expo, 0.0)
+        latency_ms = base * np.exp(sigma * normal - sigma * sigma / 2) + self.transfer_ms * self.bits_frac
+        mem = self.memory(t)
+        self.regime.observe(t, k, mem, compute_s, latency_ms)
+        if self.regime.pending:
+            self.regime.capacity_back(t)
+        self._rates(compute_s, latency_ms)
+
+    def _rates_for(self, groups: list[int], t: float) -> None:
+        # A group back up between samples trains at a fault-free estimate until the next sample measures it.
+        for g in groups:
+            self.rate[g] = 1.0 / self.ideal_step_s
+            self.raw_rate[g] = 1.0 / self.ideal_step_s
+            self.syncing[g] = self.n
+            self.dropped[g] = 0.0
+
+    def _rates(self, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
+        sc = self.sc
+        n, G = self.n, self.G
+        paused = self.paused.reshape(G, n)
+        stall = latency_ms / 1000.0 / self.accum
+        arrival = np.where(paused, np.inf, (compute_s + stall).reshape(G, n))
+        active = ~paused
+        counts = active.sum(axis=1)
+        # Median and latest of the active workers' arrivals (paused ones sort last as +inf).
+        ordered = np.sort(arrival, axis=1)
+        lo = np.maximum((counts - 1) // 2, 0)[:, None]
+        hi = np.maximum(counts // 2, 0)[:, None]
+        with np.errstate(invalid="ignore"):
+            med = 0.5 * (np.take_along_axis(ordered, lo, 1) + np.take_along_axis(ordered, hi, 1))[:, 0]
+        latest = np.take_along_axis(ordered, np.maximum(counts - 1, 0)[:, None], 1)[:, 0]
+        cutoff = med + sc.baseline.straggler_timeout_ms / 1000.0
+        dropped = active & (arrival > cutoff[:, None])
+        step_s = np.minimum(latest, cutoff)
+        eff = sc.efficiency
+        contrib = np.where(self.bits_frac < 1.0, eff.compressed_4bit, 1.0) * np.where(
+            self.accum > 1, eff.accumulated, 1.0
+        )
+        contrib = np.where(dropped.ravel() | self.paused, 0.0, contrib).reshape(G, n)
+        useful = contrib.mean(axis=1)
+        run = self.status == RUN
+        ok = run & (counts > 0) & (step_s > 0)
+        self.raw_rate = np.where(ok, 1.0 / np.where(ok, step_s, 1.0), 0.0)
+        self.rate = self.raw_rate * useful
+        per_step = (1.0 / self.accum).reshape(G, n)  # syncs per step: accumulating workers sync every 4th
+        self.syncing = np.where(ok, (active * per_step).sum(axis=1), 0.0)
+        self.dropped = np.where(ok, (dropped * per_step).sum(axis=1), 0.0)
+        self.last_step_s = np.where(ok, step_s, self.last_step_s)

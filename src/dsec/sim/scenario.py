@@ -1,0 +1,175 @@
+"""Scenario files for ``dsec simulate``: the cluster, its hidden truth, the workload, the network, the faults and
+the two regimes' parameters. Every field has a default; docs/simulator.md gives each one's provenance (measured on
+this project's machine, published, or assumed). Errors name file, line and column (yamlconf.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dsec.yamlconf import load_file
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class GpuTruth(_Strict):
+    """What a GPU really does, hidden from DSec: it has to learn it from what happens to the workers on it."""
+
+    leak_gb_per_h: float = Field(0.0, ge=0)  # memory that the card's workers lose and never get back
+    throttle_per_h: float = Field(0.02, ge=0)  # thermal-throttling episodes per hour
+    crash_per_h: float = Field(0.002, ge=0)  # process crashes per hour per worker on the card (XID, driver)
+
+
+class Cluster(_Strict):
+    nodes: int = Field(4, ge=1, le=10_000)
+    gpus_per_node: int = Field(8, ge=1, le=64)
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    gpu_model: str = "A100-80GB"
+    numa_per_node: int = Field(2, ge=1, le=16)
+    nvlink: Literal["none", "pairs", "all"] = "pairs"
+    workers_per_gpu: int = Field(4, ge=1, le=64)  # workers sharing one card (slots)
+    bad_gpu_fraction: float = Field(0.1, ge=0, le=1)  # cards with the `bad` truth (chosen by the seed)
+    healthy: GpuTruth = GpuTruth()
+    bad: GpuTruth = GpuTruth(leak_gb_per_h=3.0, throttle_per_h=0.5, crash_per_h=0.02)
+    throttle_duration_s: float = Field(900.0, gt=0)
+    throttle_slowdown: float = Field(2.0, ge=1)  # compute time multiplier while throttled
+
+
+class Memory(_Strict):
+    base_gb: float = Field(14.0, gt=0)  # steady usage of one worker
+    burst_per_h: float = Field(1.0, ge=0)  # sparse-reward bursts (long episodes, big rollouts) per worker-hour
+    burst_gb: float = Field(6.0, ge=0)  # mean extra memory of a burst (exponentially distributed)
+    burst_s: float = Field(120.0, gt=0)  # how long a burst holds
+    burst_ramp_s: float = Field(30.0, ge=0)  # how long it takes to build up
+    accumulation_burst_factor: float = Field(0.5, ge=0, le=1)  # a burst's size under gradient accumulation
+
+
+class Groups(_Strict):
+    count: int = Field(8, ge=1, le=100_000)
+    learners: int = Field(1, ge=1)
+    actors: int = Field(15, ge=0)
+    step_s: float = Field(0.6, gt=0)  # compute time of one optimizer step on a healthy card
+    gradient_mb: float = Field(40.0, gt=0)  # bytes each worker synchronizes per step, uncompressed
+    episode_length: float = Field(400.0, gt=0)  # mean episode length (steps): decides the load class
+    memory: Memory = Memory()
+
+    @property
+    def size(self) -> int:
+        return self.learners + self.actors
+
+
+class Jitter(_Strict):
+    fraction: float = Field(0.1, ge=0, le=1)  # workers whose link has jitter episodes
+    episodes_per_h: float = Field(2.0, ge=0)
+    episode_s: float = Field(300.0, gt=0)
+    extra_ms: float = Field(150.0, ge=0)  # mean extra sync latency during an episode (exponential per sync)
+
+
+class Network(_Strict):
+    link_mb_per_s: float = Field(1000.0, gt=0)  # per-worker gradient bandwidth
+    base_latency_ms: float = Field(10.0, ge=0)
+    noise_sigma: float = Field(0.2, ge=0)  # lognormal noise on every sync
+    jitter: Jitter = Jitter()
+
+
+class PowerSaving(_Strict):
+    start_h: float = Field(1.0, ge=0, lt=24)  # local time of day the window opens
+    duration_h: float = Field(4.0, ge=0, le=24)
+    fraction: float = Field(0.25, ge=0, le=1)  # GPUs switched off
+
+
+class Faults(_Strict):
+    power_saving: PowerSaving | None = PowerSaving()
+
+
+class Baseline(_Strict):
+    """Common practice: Kubernetes + DDP/torchrun semantics."""
+
+    checkpoint_interval_s: float = Field(600.0, gt=0)
+    checkpoint_blocking_s: float = Field(2.0, ge=0)
+    restart_s: float = Field(90.0, ge=0)  # pod rescheduled, container + process group up, checkpoint loaded
+    straggler_timeout_ms: float = Field(500.0, gt=0)  # the learner waits this long past the median, then drops
+
+
+class Dsec(_Strict):
+    snapshot_interval_s: float = Field(90.0, gt=0)
+    snapshot_cost_s: float = Field(0.25, ge=0)  # training time a snapshot costs (blocking + background work)
+    restart_s: float = Field(3.2, ge=0)  # detect + stop + restart a group on warm standbys + restore
+    latency_cap_ms: float = Field(85.0, gt=0)
+    bandwidth_cap_mbps: float = Field(128.0, gt=0)
+    memory_base_gb: float | None = Field(None, gt=0)  # the pool's guaranteed quota; default: steady usage + 15%
+    memory_ceiling_gb: float | None = Field(None, gt=0)  # default: an equal share of a card
+    # The breaker's memory cap as a fraction of the ceiling. 1.0 is DSec as shipped (Caps.memory_gb = ceiling); as
+    # the quota is the worker's allocator cap and never exceeds the ceiling, the memory path then never sees an
+    # over-cap sample — below 1 it can act (accumulation) before the allocation fails.
+    memory_pressure_fraction: float = Field(1.0, gt=0, le=1)
+    breaker_window_samples: int = Field(3, ge=1)  # samples in the breaker's window (window = samples x interval)
+    breaker_recovery_s: float = Field(60.0, gt=0)
+    policies: list[str] | None = None  # policy files (relative to the scenario); None: the shipped examples
+    placement: bool = True  # history-aware placement (else first-fit, as the baseline)
+    breaker: bool = True
+    quotas: bool = True
+    device_health: bool = True
+
+
+class Efficiency(_Strict):
+    """Statistical efficiency of a step's contribution (1 = as good as an uncompressed, fresh gradient)."""
+
+    compressed_4bit: float = Field(0.97, ge=0, le=1)
+    accumulated: float = Field(0.90, ge=0, le=1)  # a worker's gradient applied every 4th step (staleness)
+
+
+class Scenario(_Strict):
+    name: str = "scenario"
+    description: str = ""
+    seed: int = 7
+    duration_h: float = Field(24.0, gt=0, le=24 * 30)
+    sample_interval_s: float = Field(5.0, gt=0, le=300)  # telemetry + decisions
+    policy_interval_s: float = Field(15.0, gt=0)
+    cluster: Cluster = Cluster()
+    groups: Groups = Groups()
+    network: Network = Network()
+    faults: Faults = Faults()
+    baseline: Baseline = Baseline()
+    dsec: Dsec = Dsec()
+    efficiency: Efficiency = Efficiency()
+    source: str | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _fits(self) -> Scenario:
+        slots = self.cluster.nodes * self.cluster.gpus_per_node * self.cluster.workers_per_gpu
+        workers = self.groups.count * self.groups.size
+        if workers > slots:
+            raise ValueError(
+                f"groups need {workers} worker slots but the cluster has {slots} "
+                f"(nodes x gpus_per_node x workers_per_gpu)"
+            )
+        if self.groups.size > slots:
+            raise ValueError("a group is larger than the cluster")
+        return self
+
+    @property
+    def workers(self) -> int:
+        return self.groups.count * self.groups.size
+
+    @property
+    def gpus(self) -> int:
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    def quota_base_gb(self) -> float:
+        return self.dsec.memory_base_gb or round(self.groups.memory.base_gb * 1.15, 2)
+
+    def ceiling_gb(self) -> float:
+        share = self.cluster.gpu_memory_gb / self.cluster.workers_per_gpu
+        return self.dsec.memory_ceiling_gb or max(share, self.quota_base_gb())
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """The scenario in ``path``; ``ConfigError`` with ``file:line:col: field: message`` per problem."""
+    sc = load_file(Scenario, path)
+    return sc.model_copy(update={"source": str(path)})

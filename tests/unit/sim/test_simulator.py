@@ -1,0 +1,320 @@
+"""The cluster simulator: scenarios, the fault trace, both regimes' semantics, DSec's modules deciding, the exact
+equivalence of the fast paths, the report and the CLI. Small scenarios: each test simulates minutes to hours of a
+few dozen workers in well under a few seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dsec.model import DeviceHealth
+from dsec.sim.engine import Simulation
+from dsec.sim.regimes import Baseline, DsecRegime, example_policy_files, policies_from
+from dsec.sim.report import write_report
+from dsec.sim.runner import scenario_policies, simulate
+from dsec.sim.scenario import Scenario, load_scenario
+from dsec.sim.sweep import findings, points
+from dsec.sim.world import Kind, generate, layout_of, truth_of
+from dsec.yamlconf import ConfigError
+
+REPO = Path(__file__).resolve().parents[3]
+SCENARIOS = REPO / "examples" / "scenarios"
+
+
+def small(**over: Any) -> Scenario:
+    """2 nodes x 4 cards x 4 slots, 4 groups of 6: 24 workers on 32 slots."""
+    data: dict[str, Any] = {
+        "name": "small",
+        "seed": 5,
+        "duration_h": 1.0,
+        "cluster": {"nodes": 2, "gpus_per_node": 4, "workers_per_gpu": 4},
+        "groups": {"count": 4, "learners": 1, "actors": 5},
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return Scenario.model_validate(data)
+
+
+QUIET = {
+    "cluster": {
+        "nodes": 2,
+        "gpus_per_node": 4,
+        "workers_per_gpu": 4,
+        "bad_gpu_fraction": 0.0,
+        "healthy": {"leak_gb_per_h": 0, "throttle_per_h": 0, "crash_per_h": 0},
+    },
+    "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 0}},
+    "network": {"jitter": {"fraction": 0}},
+    "faults": {"power_saving": None},
+}
+
+
+def run_one(sc: Scenario, regime: str) -> Any:
+    layout = layout_of(sc)
+    truth = truth_of(sc, np.random.default_rng([sc.seed, 1]))
+    trace = generate(sc, layout, truth)
+    r = Baseline(sc) if regime == "baseline" else DsecRegime(sc, scenario_policies(sc))
+    sim = Simulation(sc, r, trace=trace, truth=truth)
+    return sim, sim.run()
+
+
+# -- scenarios ------------------------------------------------------------------------------------------------------
+def test_shipped_scenarios_load_and_match_the_issue() -> None:
+    sc = load_scenario(SCENARIOS / "rl-128.yaml")
+    assert (sc.workers, sc.groups.count, sc.groups.size, sc.cluster.gpu_memory_gb) == (128, 8, 16, 80)
+    big = load_scenario(SCENARIOS / "scale-10k.yaml")
+    assert (big.workers, big.gpus, big.duration_h) == (10_000, 1_250, 1.0)
+
+
+def test_scenario_errors_name_file_line_and_field(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x\ngroups:\n  count: 4\n  actors: -1\ncluster:\n  nodes: 1\n  gpuz: 3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_scenario(f)
+    text = str(exc.value)
+    assert f"{f}:4:3: groups.actors" in text
+    assert f"{f}:7:3: cluster.gpuz" in text
+
+
+def test_a_cluster_too_small_for_the_groups_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "tight.yaml"
+    f.write_text("cluster: {nodes: 1, gpus_per_node: 2, workers_per_gpu: 2}\ngroups: {count: 2, actors: 3}\n")
+    with pytest.raises(ConfigError, match="need 8 worker slots but the cluster has 4"):
+        load_scenario(f)
+
+
+# -- the fault trace --------------------------------------------------------------------------------------------------
+def test_trace_is_seeded_sorted_and_shared_by_the_regimes() -> None:
+    sc = small(duration_h=6)
+    layout = layout_of(sc)
+    truth = truth_of(sc, np.random.default_rng([sc.seed, 1]))
+    a, b = generate(sc, layout, truth), generate(sc, layout, truth)
+    assert np.array_equal(a.times, b.times) and np.array_equal(a.kinds, b.kinds)
+    assert np.all(np.diff(a.times) >= 0)
+    assert a.counts["burst"] > 0 and a.counts["power_off"] == 1
+    other = generate(sc, layout, truth, seed=sc.seed + 1)
+    assert not np.array_equal(a.times, other.times)
+    before = a.times.copy()
+    for regime in ("baseline", "dsec"):
+        Simulation(sc, Baseline(sc) if regime == "baseline" else DsecRegime(sc, None), a, truth).run()
+    assert np.array_equal(a.times, before)  # replayed, not consumed
+
+
+def test_power_saving_window_is_nightly_and_bad_cards_follow_the_fraction() -> None:
+    sc = small(duration_h=48, cluster={"bad_gpu_fraction": 0.25})
+    truth = truth_of(sc, np.random.default_rng([sc.seed, 1]))
+    assert int(truth.bad.sum()) == 2
+    trace = generate(sc, layout_of(sc), truth)
+    offs = trace.times[trace.kinds == Kind.POWER_OFF]
+    assert list(offs) == [3600.0, 86400.0 + 3600.0]
+    assert len(trace.power_cards) == 2  # 25% of 8 cards
+
+
+# -- accounting and semantics -----------------------------------------------------------------------------------------
+def test_without_faults_both_regimes_train_at_the_ideal_rate_less_their_saving_cost() -> None:
+    sc = small(**QUIET)
+    for regime, interval, cost in (("baseline", 600.0, 2.0), ("dsec", 90.0, 0.25)):
+        _, o = run_one(sc, regime)
+        fraction = o.progress.sum() / (o.ideal_rate * o.duration_s * o.groups)
+        assert fraction == pytest.approx(1 - cost / interval, abs=0.01), regime
+        assert o.interruptions == []
+
+
+def test_baseline_oom_kills_every_worker_on_the_card_dsec_only_the_one_over_its_quota() -> None:
+    # Huge, certain bursts: each one exceeds a worker's ceiling and its card's free memory.
+    over = {**QUIET, "groups": {**QUIET["groups"], "memory": {"burst_per_h": 2, "burst_gb": 70, "burst_ramp_s": 0}}}
+    sc = small(**over)
+    _, base = run_one(sc, "baseline")
+    _, dsec = run_one(sc, "dsec")
+    b_oom = [i for i in base.interruptions if i.cause == "oom"]
+    d_oom = [i for i in dsec.interruptions if i.cause == "oom"]
+    assert b_oom and d_oom
+    # Baseline: the card's 4 workers die (split over the groups that had workers there).
+    assert base.decisions["oom_cards"] > 0
+    assert sum(i.workers for i in b_oom) >= 2 * base.decisions["oom_cards"]
+    # DSec: one worker per OOM event, its neighbours keep running.
+    assert all(i.workers == 1 for i in d_oom)
+    assert max(i.recovery_s for i in d_oom) == pytest.approx(sc.dsec.restart_s)
+    assert min(i.recovery_s for i in b_oom) == pytest.approx(sc.baseline.restart_s)
+
+
+def test_a_failure_rolls_back_to_the_last_durable_point() -> None:
+    crashy = {**QUIET, "cluster": {**QUIET["cluster"], "healthy": {"crash_per_h": 0.3}}}
+    sc = small(**crashy)
+    _, base = run_one(sc, "baseline")
+    _, dsec = run_one(sc, "dsec")
+    assert base.interruptions and dsec.interruptions
+    # Work lost per failure is bounded by the saving interval times the ideal rate.
+    assert max(i.rolled_back_steps for i in base.interruptions) <= 600 * base.ideal_rate + 1e-6
+    assert max(i.rolled_back_steps for i in dsec.interruptions) <= 90 * dsec.ideal_rate + 1e-6
+    assert float(dsec.rolled_back.sum()) < float(base.rolled_back.sum())
+
+
+# -- DSec's modules decide --------------------------------------------------------------------------------------------
+def test_jittery_links_melt_down_through_the_breaker_and_the_ladder_applies() -> None:
+    jit = {**QUIET, "network": {"jitter": {"fraction": 0.2, "episodes_per_h": 6, "extra_ms": 300}}}
+    sc = small(**jit)
+    _, o = run_one(sc, "dsec")
+    assert o.meltdowns and o.meltdowns > 0
+    assert o.decisions.get("breaker:escalate", 0) >= o.meltdowns
+    assert o.decisions.get("breaker:step_down", 0) > 0  # and it steps back once the jitter ends
+    off = sc.model_copy(update={"dsec": sc.dsec.model_copy(update={"breaker": False})})
+    _, o2 = run_one(off, "dsec")
+    assert o2.meltdowns == 0
+    # The breaker is what keeps the group from waiting on a jittery link: more useful steps with it on.
+    assert o.progress.sum() > o2.progress.sum()
+
+
+def test_a_throttling_card_is_detected_degraded_and_its_workers_moved() -> None:
+    hot = {**QUIET, "cluster": {**QUIET["cluster"], "bad_gpu_fraction": 0.125,
+                                "bad": {"throttle_per_h": 20, "leak_gb_per_h": 0, "crash_per_h": 0},
+                                "throttle_duration_s": 3600}}  # fmt: skip
+    sc = small(**hot)
+    sim, o = run_one(sc, "dsec")
+    assert o.decisions.get("device:degraded", 0) >= 1
+    assert o.decisions.get("migrations", 0) >= 1
+    regime = sim.regime
+    assert isinstance(regime, DsecRegime)
+    bad = int(np.flatnonzero(sim.truth.bad)[0])
+    # Its record says it throttled: the learned risk of the bad card rose above a quiet card's prior.
+    name = sim.layout.card_name(bad)
+    assert regime.profiles.device_risk(name, regime.load_class) > regime.profiles.device_risk("n9-g9", "x")
+    _, base = run_one(sc, "baseline")
+    assert o.progress.sum() > base.progress.sum()
+
+
+def test_leaking_cards_are_learned_and_placement_moves_away_from_them() -> None:
+    leaky = {**QUIET, "duration_h": 8, "cluster": {**QUIET["cluster"], "bad_gpu_fraction": 0.25,
+                                                   "bad": {"leak_gb_per_h": 12, "throttle_per_h": 0}}}  # fmt: skip
+    sc = small(**leaky)
+    sim, o = run_one(sc, "dsec")
+    bad = set(np.flatnonzero(sim.truth.bad).tolist())
+    ooms = [i for i in o.interruptions if i.cause == "oom"]
+    assert ooms
+    regime = sim.regime
+    assert isinstance(regime, DsecRegime)
+    # Late in the run, fewer of the workers sit on leaking cards than at the start.
+    cards = sim.card_of_worker()
+    on_bad_now = int(np.isin(cards, list(bad)).sum())
+    first = [i.t for i in ooms]
+    assert on_bad_now < 8  # 2 bad cards x 4 slots were all usable at the start
+    assert first == sorted(first)
+    for c in bad:
+        assert regime.profiles.device_risk(sim.layout.card_name(c), regime.load_class) > 0.3
+
+
+def test_the_example_policies_act_on_meltdowns() -> None:
+    jit = {**QUIET, "duration_h": 3, "network": {"jitter": {"fraction": 0.3, "episodes_per_h": 10, "extra_ms": 300}}}
+    sc = small(**jit)
+    sim, o = run_one(sc, "dsec")
+    applied = {k: v for k, v in o.decisions.items() if k.startswith("policy:") and k.endswith(":applied")}
+    assert applied.get("policy:tighten-latency-cap-on-meltdowns:applied", 0) >= 1
+    regime = sim.regime
+    assert isinstance(regime, DsecRegime)
+    caps = [regime.knobs[(p, "latency_cap_ms")] for p in regime.pool_names]
+    assert min(c for c in caps if c is not None) < 85.0
+
+
+def test_fast_paths_are_exactly_the_reference() -> None:
+    """Lazy breaker feeding, the fleet pre-filter and quota plans only for changed cards change nothing."""
+    sc = small(duration_h=3, network={"jitter": {"fraction": 0.3, "episodes_per_h": 6}})
+    layout = layout_of(sc)
+    truth = truth_of(sc, np.random.default_rng([sc.seed, 1]))
+    trace = generate(sc, layout, truth)
+    policies = scenario_policies(sc)
+    results = []
+    for reference in (False, True):
+        r = DsecRegime(sc, policies)
+        sim = Simulation(sc, r, trace=trace, truth=truth)
+        r.reference = reference
+        o = sim.run()
+        results.append((o.progress.tolist(), o.decisions, [i.to_dict() for i in o.interruptions]))
+    assert results[0][1].get("breaker:escalate", 0) > 0
+    assert results[0] == results[1]
+
+
+def test_device_health_changes_reach_the_placement() -> None:
+    sc = small(**QUIET)
+    sim = Simulation(sc, DsecRegime(sc, None))
+    regime = sim.regime
+    assert isinstance(regime, DsecRegime)
+    regime.place_all(0.0)
+    regime.card_health[0] = DeviceHealth.DEGRADED
+    regime.degraded[0] = True
+    for w in range(sim.N):
+        sim.assign(w, -1)
+    chosen = regime.choose(0, list(sim.workers_of(0)), 0.0)
+    assert chosen is not None and all(s // 4 != 0 for s in chosen.values())
+
+
+# -- runner, sweep, report, CLI ---------------------------------------------------------------------------------------
+def test_headline_has_the_benchmark_keys() -> None:
+    c = simulate(small(duration_h=0.5))
+    h = c.headline()
+    assert {"scenario", "workers", "goodput_ratio", "hours_lost_per_day", "interruption_rate", "sim_speedup"} <= set(h)
+    assert set(h["hours_lost_per_day"]) == {"baseline", "dsec"}
+    assert h["goodput_ratio"] == pytest.approx(
+        c.summary("dsec")["goodput_steps_per_s"] / c.summary("baseline")["goodput_steps_per_s"], rel=1e-3
+    )
+
+
+def test_sweep_points_cover_the_three_dimensions_and_findings_speak_plainly() -> None:
+    ps = points(small())
+    assert {p.parameter for p in ps} == {"jitter_fraction", "oom_rate_scale", "latency_cap_ms"}
+    assert any(p.parameter == "latency_cap_ms" and p.value == 50.0 for p in ps)
+    rows = [
+        {"parameter": "latency_cap_ms", "value": 50.0, "goodput_ratio": 0.9, "goodput": {"dsec": 6.0},
+         "hours_lost_per_day": {"baseline": 1.0, "dsec": 2.0}, "meltdowns": 40},
+        {"parameter": "latency_cap_ms", "value": 85.0, "goodput_ratio": 1.1, "goodput": {"dsec": 10.0},
+         "hours_lost_per_day": {"baseline": 2.0, "dsec": 1.0}, "meltdowns": 4},
+    ]  # fmt: skip
+    text = findings(rows)
+    assert any("latency_cap_ms = 50: DSec does not help" in f for f in text)
+    assert any("-40.0%" in f and "write-up reports -40%" in f for f in text)
+
+
+def test_policies_from_several_files_and_a_bad_one_names_its_line(tmp_path: Path) -> None:
+    ps = policies_from(example_policy_files())
+    assert {"tighten-latency-cap-on-meltdowns", "shrink-idle-pool"} <= {r.name for r in ps.rules}
+    bad = tmp_path / "p.yaml"
+    bad.write_text("policies:\n  - name: x\n    when: nonsense_metric > 1\n    then: [{knob: latency_cap_ms, by: 1}]\n")
+    with pytest.raises(ConfigError, match=r"p.yaml:3:"):
+        policies_from([bad])
+
+
+def test_report_writes_markdown_and_plots(tmp_path: Path) -> None:
+    c = simulate(small(duration_h=0.5))
+    path = write_report(c, tmp_path / "r")
+    text = path.read_text()
+    assert "goodput ratio (DSec / baseline)" in text and "GPU-hours lost per day, by cause" in text
+    pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
+    assert pngs == ["hours_lost.png", "progress.png"]
+    assert all((tmp_path / "r" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_cli_prints_a_last_line_json_and_refuses_a_bad_scenario(tmp_path: Path) -> None:
+    f = tmp_path / "s.yaml"
+    f.write_text("name: cli\nduration_h: 0.3\ncluster: {nodes: 1, gpus_per_node: 4, workers_per_gpu: 2}\n"
+                 "groups: {count: 1, actors: 4}\n")  # fmt: skip
+    dsec = [sys.executable, "-m", "dsec.cli"]
+    done = subprocess.run(
+        [*dsec, "simulate", str(f), "--json", "--report", str(tmp_path / "rep")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["scenario"] == "cli" and last["workers"] == 5
+    assert (tmp_path / "rep" / "report.md").exists()
+    f.write_text("name: cli\nduration_h: -1\n")
+    bad = subprocess.run([*dsec, "simulate", str(f)], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2
+    assert f"{f}:2:" in bad.stderr and "duration_h" in bad.stderr
