@@ -41,6 +41,7 @@ check: setup
 bench: setup
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python benchmarks/probe_overhead.py
+	$(BIN)/python benchmarks/simulate.py
 
 serve: setup
 	$(BIN)/dsec serve --cluster examples/cluster.yaml

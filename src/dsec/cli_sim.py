@@ -22,6 +22,10 @@ def simulate(
     scenario: Annotated[Path, typer.Argument(help="Scenario file (examples/scenarios/).")],
     hours: Annotated[float | None, typer.Option(min=0.01, max=720, help="Override the simulated duration.")] = None,
     seed: Annotated[int | None, typer.Option(help="Override the scenario's seed.")] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override any scenario field, e.g. --set dsec.latency_cap_ms=50 (repeatable)."),
+    ] = None,
     report: Annotated[
         Path | None, typer.Option(help="Directory for report.md + PNG plots (default: dsec-sim-<scenario>).")
     ] = None,
@@ -40,12 +44,12 @@ def simulate(
         raise fail("the simulator needs numpy: pip install 'dsec[sim]'", 2) from None
     from dsec.sim.report import write_report
     from dsec.sim.runner import simulate as run_simulation
-    from dsec.sim.scenario import load_scenario
+    from dsec.sim.scenario import load_scenario, with_overrides
     from dsec.sim.sweep import findings
     from dsec.sim.sweep import sweep as run_sweep
 
     try:
-        sc = load_scenario(scenario)
+        sc = with_overrides(load_scenario(scenario), list(set_ or []))
     except ConfigError as exc:
         raise fail(str(exc), 2) from None
     updates: dict[str, Any] = {}

@@ -33,5 +33,6 @@ def test_demo_runs_to_its_summary() -> None:
         "circuit breaker",
         "back to level 0",
         "_episode_stuck_collision_3x",
+        "simulator",
     ):
         assert check in out, check

@@ -39,6 +39,7 @@ from dsec.control.settings import Settings
 from dsec.demo import integrations as integration_scenes
 from dsec.demo import policies as policy_scenes
 from dsec.demo import recovery as recovery_phase
+from dsec.demo import simulation as simulation_scene
 from dsec.demo import snapshots as snapshot_scenes
 from dsec.render import events_table, pools_table, workers_table
 
@@ -328,6 +329,9 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
         )
     for key, value in snapshot_scenes.summary_rows(run):
         t.add_row(key, value)
+    if "simulation" in run.state:
+        for key, value in simulation_scene.summary_rows(run.state["simulation"]):
+            t.add_row(key, value)
     metrics_text = run.state.get("metrics_text", "")
     for name in HEADLINE_METRICS:
         line = next((ln for ln in metrics_text.splitlines() if ln.startswith(f'{name}{{pool="{POOL}"}}')), None)
@@ -458,6 +462,14 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
                 recovery_phase.recovered(run, result)
             )
             scenes_ok["training processes finished cleanly"] = learners_ok
+            console.print(
+                f"simulating {simulation_scene.SCENARIO} for {simulation_scene.HOURS:g} hours: baseline vs DSec's "
+                "own decision code on one fault trace"
+            )
+            run.state["simulation"] = simulation_scene.simulate_cluster()
+            scenes_ok["simulator: 128 agents, baseline vs DSec's modules on one fault trace (dsec simulate)"] = (
+                simulation_scene.ran(run.state["simulation"])
+            )
             console.print(pools_table(client.status()))
             console.print(_summary(run, scenes_ok, time.time() - start))
             code = 0 if all(scenes_ok.values()) else 1

@@ -53,6 +53,12 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         _row("effective training fraction (vs fault-free)", b["effective_fraction"], d["effective_fraction"]),
         _row("GPU-hours lost per day", b["gpu_hours_lost_per_day"], d["gpu_hours_lost_per_day"]),
         _row("interruption rate (time not training)", b["interruption_rate"], d["interruption_rate"], "{:.3%}"),
+        _row(
+            "… without waiting for capacity",
+            b["interruption_rate_without_capacity_waits"],
+            d["interruption_rate_without_capacity_waits"],
+            "{:.3%}",
+        ),
         _row("interruptions", b["interruptions"], d["interruptions"]),
         _row("interruptions per group per day", b["interruptions_per_group_day"], d["interruptions_per_group_day"]),
         _row("recovery time p50 / max (s)", _pair(b), _pair(d)),

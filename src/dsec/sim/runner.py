@@ -56,8 +56,13 @@ class Comparison:
             "goodput_ratio": round(d["goodput_steps_per_s"] / b["goodput_steps_per_s"], 4)
             if b["goodput_steps_per_s"] > 0
             else None,
+            "goodput_steps_per_s": {"baseline": b["goodput_steps_per_s"], "dsec": d["goodput_steps_per_s"]},
             "hours_lost_per_day": {"baseline": b["gpu_hours_lost_per_day"], "dsec": d["gpu_hours_lost_per_day"]},
             "interruption_rate": {"baseline": b["interruption_rate"], "dsec": d["interruption_rate"]},
+            "interruption_rate_without_capacity_waits": {
+                "baseline": b["interruption_rate_without_capacity_waits"],
+                "dsec": d["interruption_rate_without_capacity_waits"],
+            },
             "sync_success_rate": {"baseline": b["sync_success_rate"], "dsec": d["sync_success_rate"]},
             "meltdowns": d["meltdowns"],
             "sim_speedup": d["sim_speedup"],
@@ -119,6 +124,10 @@ def summarize(o: Outcome) -> dict[str, Any]:
             float(o.down_s.sum() + o.pending_s.sum() + o.blocked_s.sum() + o.rolled_back.sum() / o.ideal_rate)
             / (G * T),
             5,
+        ),
+        # The same without waiting for capacity (the power-saving window takes GPUs away from both regimes alike).
+        "interruption_rate_without_capacity_waits": _r(
+            float(o.down_s.sum() + o.blocked_s.sum() + o.rolled_back.sum() / o.ideal_rate) / (G * T), 5
         ),
         "interruptions": len(o.interruptions),
         "interruptions_by_cause": dict(sorted(causes.items())),

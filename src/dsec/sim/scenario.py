@@ -6,11 +6,12 @@ this project's machine, published, or assumed). Errors name file, line and colum
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dsec.yamlconf import load_file
+from dsec.yamlconf import ConfigError, load_file
 
 
 class _Strict(BaseModel):
@@ -109,7 +110,7 @@ class Dsec(_Strict):
     # over-cap sample — below 1 it can act (accumulation) before the allocation fails.
     memory_pressure_fraction: float = Field(1.0, gt=0, le=1)
     breaker_window_samples: int = Field(3, ge=1)  # samples in the breaker's window (window = samples x interval)
-    breaker_recovery_s: float = Field(60.0, gt=0)
+    breaker_recovery_s: float = Field(30.0, gt=0)  # DSec default (BreakerConfig.recovery_s)
     policies: list[str] | None = None  # policy files (relative to the scenario); None: the shipped examples
     placement: bool = True  # history-aware placement (else first-fit, as the baseline)
     breaker: bool = True
@@ -167,6 +168,30 @@ class Scenario(_Strict):
     def ceiling_gb(self) -> float:
         share = self.cluster.gpu_memory_gb / self.cluster.workers_per_gpu
         return self.dsec.memory_ceiling_gb or max(share, self.quota_base_gb())
+
+
+def with_overrides(sc: Scenario, settings: list[str]) -> Scenario:
+    """``sc`` with ``section.field=value`` settings applied (values parsed as YAML), validated like the file."""
+    data = sc.model_dump(exclude={"source"})
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"--set {item!r}: expected PATH=VALUE, e.g. dsec.latency_cap_ms=50"])
+        node: dict[str, Any] = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                raise ConfigError([f"--set {item!r}: {key} is not a scenario field"])
+            node = child
+        if leaf not in node:
+            raise ConfigError([f"--set {item!r}: {key} is not a scenario field"])
+        node[leaf] = yaml.safe_load(raw)
+    try:
+        out = Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([f"--set: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
+    return out.model_copy(update={"source": sc.source})
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -269,7 +269,12 @@ def test_headline_has_the_benchmark_keys() -> None:
 
 def test_sweep_points_cover_the_three_dimensions_and_findings_speak_plainly() -> None:
     ps = points(small())
-    assert {p.parameter for p in ps} == {"jitter_fraction", "oom_rate_scale", "latency_cap_ms"}
+    assert {p.parameter for p in ps} == {
+        "jitter_fraction",
+        "oom_rate_scale",
+        "latency_cap_ms",
+        "latency_cap_ms_without_policies",
+    }
     assert any(p.parameter == "latency_cap_ms" and p.value == 50.0 for p in ps)
     rows = [
         {"parameter": "latency_cap_ms", "value": 50.0, "goodput_ratio": 0.9, "goodput": {"dsec": 6.0},
@@ -318,3 +323,16 @@ def test_cli_prints_a_last_line_json_and_refuses_a_bad_scenario(tmp_path: Path) 
     bad = subprocess.run([*dsec, "simulate", str(f)], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2
     assert f"{f}:2:" in bad.stderr and "duration_h" in bad.stderr
+
+
+def test_set_overrides_any_field_and_names_a_bad_one() -> None:
+    from dsec.sim.scenario import with_overrides
+
+    sc = with_overrides(small(), ["dsec.latency_cap_ms=50", "cluster.nodes=3", "faults.power_saving=null"])
+    assert (sc.dsec.latency_cap_ms, sc.cluster.nodes, sc.faults.power_saving) == (50.0, 3, None)
+    with pytest.raises(ConfigError, match=r"dsec\.latency_capx is not a scenario field"):
+        with_overrides(small(), ["dsec.latency_capx=1"])
+    with pytest.raises(ConfigError, match=r"dsec.latency_cap_ms: Input should be greater than 0"):
+        with_overrides(small(), ["dsec.latency_cap_ms=-5"])
+    with pytest.raises(ConfigError, match="expected PATH=VALUE"):
+        with_overrides(small(), ["nonsense"])
