@@ -20,6 +20,8 @@ from dsec.sim.scenario import Scenario
 JITTER_FRACTIONS = (0.0, 0.05, 0.1, 0.2, 0.4)
 OOM_RATE_SCALES = (0.0, 0.5, 1.0, 2.0, 4.0)
 LATENCY_CAPS_MS = (50.0, 65.0, 85.0, 120.0)
+LATENCY_BOUND_BASE_MS = 45.0  # with 8 MB gradients at 1000 MB/s: ~53 ms per sync, 85% of it latency
+LATENCY_BOUND_MB = 8.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ def points(sc: Scenario) -> list[Point]:
     # The example policy's floor (60 ms) lifts an over-strict cap at its first firing: the breaker alone, too.
     for cap in LATENCY_CAPS_MS:
         out.append(Point("latency_cap_ms_without_policies", cap, _with(sc, "dsec", latency_cap_ms=cap), False))
+    # A latency-bound network (sync time mostly latency, not bytes: compression cannot bring it under the cap), the
+    # breaker alone: where an over-strict cap bites.
+    bound = _with(_with(sc, "network", base_latency_ms=LATENCY_BOUND_BASE_MS), "groups", gradient_mb=LATENCY_BOUND_MB)
+    for cap in (50.0, 85.0):
+        out.append(Point("latency_cap_ms_latency_bound", cap, _with(bound, "dsec", latency_cap_ms=cap), False))
     return out
 
 
@@ -100,6 +107,7 @@ def findings(rows: Iterable[dict[str, Any]]) -> list[str]:
     for param, how in (
         ("latency_cap_ms", "with the example policies"),
         ("latency_cap_ms_without_policies", "breaker alone"),
+        ("latency_cap_ms_latency_bound", "breaker alone, latency-bound network"),
     ):
         caps = {r["value"]: r for r in rows if r["parameter"] == param}
         if 50.0 in caps and 85.0 in caps and caps[85.0]["goodput"]["dsec"]:

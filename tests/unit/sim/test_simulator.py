@@ -274,6 +274,7 @@ def test_sweep_points_cover_the_three_dimensions_and_findings_speak_plainly() ->
         "oom_rate_scale",
         "latency_cap_ms",
         "latency_cap_ms_without_policies",
+        "latency_cap_ms_latency_bound",
     }
     assert any(p.parameter == "latency_cap_ms" and p.value == 50.0 for p in ps)
     rows = [
