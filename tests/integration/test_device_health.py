@@ -27,8 +27,8 @@ def start(server_factory: Callable[..., Harness], home: Path, port: int | None =
 
 
 class Worker:
-    def __init__(self, h: Harness, token: str, device: str) -> None:
-        answer = h.admin.register("pool-a", token=token, role="learner", device=device, heartbeat_interval_s=1.0)
+    def __init__(self, h: Harness, token: str, device: str, role: str = "learner") -> None:
+        answer = h.admin.register("pool-a", token=token, role=role, device=device, heartbeat_interval_s=1.0)
         self.id = answer["worker_id"]
         self.client: Client = h.client(answer["worker_token"])
         self.seq = 0
@@ -128,3 +128,29 @@ def test_placement_requests_with_repeated_names_are_refused(
         h.admin.place({"name": "j", "pool": "nope", "groups": [{"name": "g", "workers": [{"name": "a"}]}]})
     assert info.value.status == 404 and info.value.field == "pool"
     assert h.admin.request("GET", "/v1/placements")["items"] == []  # nothing was placed or held
+
+
+def test_a_learner_without_peers_does_not_shield_its_slow_device(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    """IMPALA-style: one learner, several actors. The learner cannot be compared (fewer than 3 learners), so it
+    neither counts for nor against its device: the device it shares with a slow actor is degraded all the same."""
+    h = start(server_factory, tmp_path / "cp")
+    for i in range(4):
+        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16,
+                                                             "pool": "pool-a"})  # fmt: skip
+    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(4)])
+    token = h.admin.create_token("pool-a")
+    actors = [Worker(h, token, f"gpu-{i}", role="actor") for i in range(4)]
+    learner = Worker(h, token, "gpu-2", role="learner")
+    slow = actors[2]
+
+    def degraded() -> bool:
+        for w in actors:
+            w.beat(400.0 if w is slow else 100.0)
+        learner.beat(100.0)
+        return health(h, "gpu-2") == "degraded"
+
+    wait_for(degraded, timeout=15, interval=0.1, what="gpu-2 degraded although its learner was not judged")
+    assert device_events(h) == [("gpu-2", "healthy", "degraded")]
+    assert all(health(h, f"gpu-{i}") == "healthy" for i in (0, 1, 3))
