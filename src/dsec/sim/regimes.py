@@ -256,8 +256,6 @@ class DsecRegime(Regime):
         self.fed_k = np.full(sim.N, -1, dtype=np.int64)
         self.valid_from = np.zeros(sim.N, dtype=np.int64)
         self.version = np.zeros(sim.N, dtype=np.int64)
-        self.level = np.zeros(sim.N, dtype=np.int64)
-        self.causes: dict[int, tuple[str, ...]] = {}
         self.quota = np.full(sim.N, sc.quota_base_gb())
         self.pool_meltdowns = np.zeros(sim.G, dtype=np.int64)
         self.last_recovery = np.full(sim.G, math.nan)
@@ -382,8 +380,6 @@ class DsecRegime(Regime):
         self.closed[w] = True
         self.fed_k[w] = -1
         self.valid_from[w] = int(sim.now // self.sc.sample_interval_s) + 1  # samples of the old process: gone
-        self.level[w] = 0
-        self.causes.pop(w, None)
         sim.bits_frac[w], sim.accum[w], sim.paused[w] = 1.0, 1.0, False
         self.quota[w] = self.knobs[(self.pool_names[int(sim.group_of[w])], "memory_base_gb")] or 0.0
 
@@ -569,7 +565,6 @@ class DsecRegime(Regime):
                 self.version[w] += 1
                 b.issued(int(self.version[w]), t)  # the ack comes with the next sample
                 self.closed[w] = False
-                self.level[w] = b.level
                 fields = fields_for(b.level, b.causes, caps.memory_gb)
                 bits = int(fields["compression_bits"])
                 sim.bits_frac[w] = 1.0 if bits >= 32 else bits / 32.0
