@@ -113,14 +113,10 @@ class Scheduler:
             if w.state is WorkerState.ACTIVE and w.info.device in self.cp.state.devices:
                 by_device.setdefault(str(w.info.device), []).append(w)
         devices = dict(self.cp.state.devices)
-        occupancy = {
-            d: Occupancy(
-                len(ws),
-                sum(1 for w in ws if w.id in self.cp.judge.judged),
-                sum(1 for w in ws if w.id in self.cp.judge.judged and self._slow(w)),
-            )
-            for d, ws in by_device.items()
-        }
+        occupancy = {}
+        for d, ws in by_device.items():
+            judged = [w for w in ws if w.id in self.cp.judge.judged]
+            occupancy[d] = Occupancy(len(ws), len(judged), sum(1 for w in judged if self._slow(w)))
         for change in self.health.step(now, {d: dev.health for d, dev in devices.items()}, occupancy):
             dev = devices[change.device]
             if change.degraded:

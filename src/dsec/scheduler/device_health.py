@@ -75,7 +75,7 @@ class DeviceHealthTracker:
         for dev, current in health.items():
             occ = occupancy.get(dev)
             has_workers = occ is not None and occ.workers > 0
-            slow = has_workers and occ is not None and occ.all_slow
+            slow = occ is not None and occ.all_slow
             change: HealthChange | None = None
             if current is DeviceHealth.HEALTHY:
                 if not slow:

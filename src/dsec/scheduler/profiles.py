@@ -80,16 +80,12 @@ class ProfileStats:
 @dataclass
 class Profiles:
     devices: dict[tuple[str, str], ProfileStats] = field(default_factory=dict)  # (device, load class)
-    worker_models: dict[tuple[str, str], ProfileStats] = field(default_factory=dict)  # (worker key, model)
-    # worker key -> model -> the same stats as worker_models: placement asks per (worker, device) candidate, and a
-    # scan of every worker's history there made a placement cost O(candidates x records).
-    _by_worker: dict[str, dict[str, ProfileStats]] = field(default_factory=dict, repr=False, compare=False)
+    # worker key -> model -> stats; by worker first: placement asks per (worker, device) candidate.
+    worker_models: dict[str, dict[str, ProfileStats]] = field(default_factory=dict)
 
     def observe(self, r: RunRecord) -> None:
         self.devices.setdefault((r.device, r.load_class), ProfileStats()).add(r)
-        stats = self.worker_models.setdefault((r.worker_key, r.model), ProfileStats())
-        stats.add(r)
-        self._by_worker.setdefault(r.worker_key, {})[r.model] = stats
+        self.worker_models.setdefault(r.worker_key, {}).setdefault(r.model, ProfileStats()).add(r)
 
     @classmethod
     def learn(cls, records: Iterable[RunRecord]) -> Profiles:
@@ -105,7 +101,7 @@ class Profiles:
     def worker_model_affinity(self, worker_key: str, model: str) -> float:
         """For a worker with an OOM history: +1 towards models where it ran without OOM, -1 towards models where
         it ran out of memory (scaled by the evidence); 0 for workers that never ran out of memory."""
-        mine = self._by_worker.get(worker_key, {})
+        mine = self.worker_models.get(worker_key, {})
         if not any(s.ooms for s in mine.values()):
             return 0.0
         s = mine.get(model)
@@ -122,7 +118,9 @@ class Profiles:
                 for (d, lc), s in sorted(self.devices.items())
             ],
             "worker_models": [
-                {"worker": w, "model": m, **asdict(s)} for (w, m), s in sorted(self.worker_models.items())
+                {"worker": w, "model": m, **asdict(s)}
+                for w in sorted(self.worker_models)
+                for m, s in sorted(self.worker_models[w].items())
             ],
         }
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -152,41 +153,36 @@ class Simulation:
         """Card of each worker (-1: none)."""
         return np.where(self.slot_of >= 0, self.slot_of // self.layout.workers_per_gpu, -1)
 
-    def memory(self, t: float) -> np.ndarray:
-        """Memory each worker uses at ``t`` (the world model; placed workers only, others 0)."""
+    def memory(self, t: float, sel: slice | list[int] = slice(None), bursts: bool = True) -> np.ndarray:
+        """Memory the workers ``sel`` use at ``t`` (the world model; placed workers only, others 0); without
+        ``bursts``: the steady part only (base + what the card leaked)."""
         mem = self.sc.groups.memory
-        placed = self.slot_of >= 0
-        card = np.where(placed, self.slot_of // self.layout.workers_per_gpu, 0)
-        leak = self.truth.leak_gb_per_h[card] * np.maximum(0.0, t - self.run_start) / 3600.0
-        in_burst = (t >= self.burst_t0) & (t < self.burst_end)
-        ramp = np.clip((t - self.burst_t0) / mem.burst_ramp_s, 0.0, 1.0) if mem.burst_ramp_s > 0 else 1.0
-        burst = np.where(in_burst, self.burst_gb * ramp, 0.0)
-        burst = np.where(self.accum > 1, burst * mem.accumulation_burst_factor, burst)
-        return np.where(placed, mem.base_gb + leak + burst, 0.0)
+        slot = self.slot_of[sel]
+        placed = slot >= 0
+        card = np.where(placed, slot // self.layout.workers_per_gpu, 0)
+        used = mem.base_gb + self.truth.leak_gb_per_h[card] * np.maximum(0.0, t - self.run_start[sel]) / 3600.0
+        if bursts:
+            t0, size = self.burst_t0[sel], self.burst_gb[sel]
+            in_burst = (t >= t0) & (t < self.burst_end[sel])
+            ramp = np.clip((t - t0) / mem.burst_ramp_s, 0.0, 1.0) if mem.burst_ramp_s > 0 else 1.0
+            burst = np.where(in_burst, size * ramp, 0.0)
+            used = used + np.where(self.accum[sel] > 1, burst * mem.accumulation_burst_factor, burst)
+        return np.where(placed, used, 0.0)
 
     def _push(self, t: float, kind: int, g: int) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, g, int(self.epoch[g])))
 
     # -- group lifecycle ---------------------------------------------------------------------------------------------
-    def account(self, g: int, t: float) -> None:
-        """Advance group ``g`` to ``t`` at its current rate (not past a stall: ``acc_t`` may lie ahead)."""
-        if self.status[g] == RUN and t > self.acc_t[g]:
-            dt = t - self.acc_t[g]
-            self.progress[g] += self.rate[g] * dt
-            steps = self.raw_rate[g] * dt
-            self.sync_ops[g] += steps * self.syncing[g]
-            self.sync_ok[g] += steps * (self.syncing[g] - self.dropped[g])
-        self.acc_t[g] = max(self.acc_t[g], t)
-
-    def _account_all(self, t: float) -> None:
-        run = self.status == RUN
-        dt = np.where(run, np.maximum(0.0, t - self.acc_t), 0.0)
-        self.progress += self.rate * dt
-        steps = self.raw_rate * dt
-        self.sync_ops += steps * self.syncing
-        self.sync_ok += steps * (self.syncing - self.dropped)
-        self.acc_t = np.maximum(self.acc_t, t)
+    def account(self, t: float, sel: slice = slice(None)) -> None:
+        """Advance the groups ``sel`` (default: all) to ``t`` at their current rates; a running group's ``acc_t``
+        may lie ahead of ``t`` (it stands still while its state is saved), then nothing is added."""
+        dt = np.where(self.status[sel] == RUN, np.maximum(0.0, t - self.acc_t[sel]), 0.0)
+        self.progress[sel] += self.rate[sel] * dt
+        steps = self.raw_rate[sel] * dt
+        self.sync_ops[sel] += steps * self.syncing[sel]
+        self.sync_ok[sel] += steps * (self.syncing[sel] - self.dropped[sel])
+        self.acc_t[sel] = np.maximum(self.acc_t[sel], t)
 
     def start(self, g: int, t: float, delay_s: float) -> None:
         """Group ``g`` (all its workers placed) trains again after ``delay_s``."""
@@ -210,6 +206,10 @@ class Simulation:
         self.status[g] = PENDING
         self.rate[g] = self.raw_rate[g] = 0.0
 
+    def release(self, workers: Iterable[int]) -> None:
+        for w in workers:
+            self.assign(w, -1)
+
     def assign(self, w: int, slot: int) -> None:
         old = self.slot_of[w]
         if old >= 0:
@@ -224,7 +224,7 @@ class Simulation:
         the regime restarts it. ``durable_first``: the state was saved just before (planned moves)."""
         if self.status[g] == PENDING:
             return
-        self.account(g, t)
+        self.account(t, slice(g, g + 1))
         if self.status[g] == DOWN:
             self.down_s[g] += t - self.down_since[g]
         if durable_first:
@@ -267,7 +267,7 @@ class Simulation:
             self._sample(k, t_sample)
             if k % timeline_every == 0 or k == ticks:
                 self.timeline.append((t_sample, float(self.progress.sum())))
-        self._account_all(horizon)
+        self.account(horizon)
         for g in range(self.G):
             if self.status[g] == DOWN:
                 self.down_s[g] += horizon - self.down_since[g]
@@ -301,10 +301,10 @@ class Simulation:
             self.down_s[g] += t - self.down_since[g]
             self.status[g] = RUN
             self.acc_t[g] = t
-            self._rates_for([g], t)
+            self._fault_free_rate(g)
             self._push(t + self.regime.durable_interval_s, _DURABLE, g)
         elif kind == _DURABLE and self.status[g] == RUN:
-            self.account(g, t)
+            self.account(t, slice(g, g + 1))
             self.durable[g] = self.progress[g]
             cost = self.regime.durable_cost_s
             self.acc_t[g] = t + cost  # training stands still while the state is saved
@@ -340,7 +340,7 @@ class Simulation:
 
     # -- a sample: telemetry, decisions, rates -----------------------------------------------------------------------
     def _sample(self, k: int, t: float) -> None:
-        self._account_all(t)
+        self.account(t)
         sc = self.sc
         normal, expo = sample_noise(sc.seed, k, self.N)
         card = self.card_of_worker()
@@ -357,13 +357,11 @@ class Simulation:
             self.regime.capacity_back(t)
         self._rates(compute_s, latency_ms)
 
-    def _rates_for(self, groups: list[int], t: float) -> None:
+    def _fault_free_rate(self, g: int) -> None:
         # A group back up between samples trains at a fault-free estimate until the next sample measures it.
-        for g in groups:
-            self.rate[g] = 1.0 / self.ideal_step_s
-            self.raw_rate[g] = 1.0 / self.ideal_step_s
-            self.syncing[g] = self.n
-            self.dropped[g] = 0.0
+        self.rate[g] = self.raw_rate[g] = 1.0 / self.ideal_step_s
+        self.syncing[g] = self.n
+        self.dropped[g] = 0.0
 
     def _rates(self, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
         sc = self.sc

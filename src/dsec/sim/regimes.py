@@ -77,6 +77,13 @@ class Regime:
     def choose(self, g: int, workers: list[int], t: float) -> dict[int, int] | None:
         raise NotImplementedError
 
+    def first_fit(self, workers: list[int]) -> dict[int, int] | None:
+        """The lowest free slots, in order (bin-packing); None when there are too few."""
+        free = self.sim.free_slots()
+        if len(free) < len(workers):
+            return None
+        return {w: int(s) for w, s in zip(workers, free[: len(workers)], strict=True)}
+
     def place_all(self, t: float) -> None:
         for g in range(self.sim.G):
             self._place_or_park(g, list(self.sim.workers_of(g)), t, delay_s=0.0)
@@ -85,17 +92,14 @@ class Regime:
         """Place ``workers`` of group ``g`` (the rest keep their slots) and start it; failing that, the whole group
         anew; failing that, it waits holding nothing (gang scheduling: all or nothing, as Volcano / Kueue do)."""
         sim = self.sim
-        for w in workers:
-            sim.assign(w, -1)
+        sim.release(workers)
         chosen = self.choose(g, workers, t) if workers else {}
         if chosen is None and len(workers) < sim.n:
             workers = list(sim.workers_of(g))
-            for w in workers:
-                sim.assign(w, -1)
+            sim.release(workers)
             chosen = self.choose(g, workers, t)
         if chosen is None:
-            for w in sim.workers_of(g):
-                sim.assign(w, -1)
+            sim.release(sim.workers_of(g))
             sim.park(g, t)
             if g not in self.pending:
                 self.pending.append(g)
@@ -173,10 +177,7 @@ class Baseline(Regime):
         super().__init__(b.checkpoint_interval_s, b.checkpoint_blocking_s, b.restart_s)
 
     def choose(self, g: int, workers: list[int], t: float) -> dict[int, int] | None:
-        free = self.sim.free_slots()
-        if len(free) < len(workers):
-            return None
-        return {w: int(s) for w, s in zip(workers, free[: len(workers)], strict=True)}
+        return self.first_fit(workers)
 
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
         sim = self.sim
@@ -223,7 +224,6 @@ class DsecRegime(Regime):
             features=tuple(f for f in DEFAULT_FEATURES if f.name in ("step_ms_mean", "sync_latency_ms_p50"))
         )
         self.health_config = DeviceHealthConfig()
-        self._meltdowns = 0
 
     def attach(self, sim: Simulation) -> None:
         super().attach(sim)
@@ -260,7 +260,6 @@ class DsecRegime(Regime):
         self.pool_meltdowns = np.zeros(sim.G, dtype=np.int64)
         self.last_recovery = np.full(sim.G, math.nan)
         self.recovering_until = np.full(sim.G, -math.inf)
-        self.card_health = [DeviceHealth.HEALTHY] * lay.cards
         self.degraded = np.zeros(lay.cards, dtype=bool)  # placement excludes these (dsec.scheduler.place does too)
         self.card_names = [lay.card_name(c) for c in range(lay.cards)]
         self.health_by_name = dict.fromkeys(self.card_names, DeviceHealth.HEALTHY)
@@ -304,11 +303,11 @@ class DsecRegime(Regime):
     # -- placement: dsec.scheduler.place on a pre-filtered inventory ---------------------------------------------------
     def choose(self, g: int, workers: list[int], t: float) -> dict[int, int] | None:
         sim, lay = self.sim, self.sim.layout
+        if not self.sc.dsec.placement:
+            return self.first_fit(workers)
         free = sim.free_slots()
         if len(free) < len(workers):
             return None
-        if not self.sc.dsec.placement:
-            return {w: int(s) for w, s in zip(workers, free[: len(workers)], strict=True)}
         cards = free // lay.workers_per_gpu
         placeable = free[~self.degraded[cards]]
         if len(placeable) < len(workers):
@@ -325,7 +324,7 @@ class DsecRegime(Regime):
         signals = {}
         for s in cand.tolist():
             dev = self.slot_devices[s]
-            health = self.card_health[lay.card_of(s)]
+            health = self.health_by_name[self.card_names[lay.card_of(s)]]
             devices[dev.id] = dev if health is DeviceHealth.HEALTHY else replace(dev, health=health)
             if sim.throttled[lay.card_of(s)] > 0:
                 signals[dev.id] = DeviceSignals(throttle_reasons=1)  # NVML: clocks lowered for thermal reasons
@@ -413,7 +412,7 @@ class DsecRegime(Regime):
         sim = self.sim
         mem = self.sc.groups.memory
         burst_now = sim.burst_gb[w] if sim.burst_t0[w] <= t < sim.burst_end[w] else 0.0
-        steady = float(sim.memory(t)[w]) - burst_now
+        steady = float(sim.memory(t, [w])[0]) - burst_now
         return max(0.0, (steady - mem.base_gb) / hours)
 
     # -- per sample --------------------------------------------------------------------------------------------------
@@ -559,7 +558,6 @@ class DsecRegime(Regime):
                 continue
             self.counts[f"breaker:{tr.action.value if tr.action is not Action.NONE else tr.trigger.value}"] += 1
             if tr.meltdown:
-                self._meltdowns += 1
                 self.pool_meltdowns[g] += 1
             if tr.action is not Action.NONE:
                 self.version[w] += 1
@@ -611,12 +609,14 @@ class DsecRegime(Regime):
         }
         for change in self.tracker.step(t, self.health_by_name, occupancy):
             c = self._card_index(change.device)
-            self.health_by_name[change.device] = change.after
-            self.card_health[c] = change.after
-            self.degraded[c] = change.after is DeviceHealth.DEGRADED
+            self.set_card_health(c, change.after)
             self.counts[f"device:{change.after.value}"] += 1
             if change.degraded:
                 self._migrate_off(c, t)
+
+    def set_card_health(self, card: int, health: DeviceHealth) -> None:
+        self.health_by_name[self.card_names[card]] = health
+        self.degraded[card] = health is DeviceHealth.DEGRADED
 
     def _may_have_outliers(self, groups: np.ndarray, step_ms: np.ndarray, lat: np.ndarray) -> np.ndarray:
         """Which groups ``compare`` could flag anyone in (an exact pre-filter, vectorized over groups): an outlier's
@@ -695,7 +695,7 @@ class DsecRegime(Regime):
                     self.plan_count[:] = -1  # every card's quota inputs changed: plan them all again
 
     def meltdowns(self) -> int | None:
-        return self._meltdowns
+        return int(self.pool_meltdowns.sum())
 
 
 def policies_from(paths: list[Path]) -> PolicySet:

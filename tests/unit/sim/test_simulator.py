@@ -248,10 +248,8 @@ def test_device_health_changes_reach_the_placement() -> None:
     regime = sim.regime
     assert isinstance(regime, DsecRegime)
     regime.place_all(0.0)
-    regime.card_health[0] = DeviceHealth.DEGRADED
-    regime.degraded[0] = True
-    for w in range(sim.N):
-        sim.assign(w, -1)
+    regime.set_card_health(0, DeviceHealth.DEGRADED)
+    sim.release(range(sim.N))
     chosen = regime.choose(0, list(sim.workers_of(0)), 0.0)
     assert chosen is not None and all(s // 4 != 0 for s in chosen.values())
 
