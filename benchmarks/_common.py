@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,21 +154,8 @@ class ServerProcess:
         return self.proc.pid
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"control plane exited with {self.proc.returncode} before answering /healthz")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"control plane did not answer /healthz within {timeout_s:.0f} s")
-            time.sleep(0.05)
+        assert self.proc is not None
+        wait_healthy(self.proc, self.url, timeout_s)
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         proc, self.proc = self.proc, None
@@ -190,6 +178,30 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    timeout_s: float,
+    what: str = "control plane",
+    detail: Callable[[], str] = lambda: "",
+    poll_s: float = 0.05,
+) -> None:
+    """Until the control plane ``proc`` at ``url`` answers /healthz; ``detail`` (e.g. its log's tail) is added to
+    the error when it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before answering /healthz{detail()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/healthz", timeout=1.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not answer /healthz within {timeout_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def admin_client(server: ServerProcess) -> Any:
@@ -318,13 +330,13 @@ def pyspy_summary(path: str, top: int = 30, thread_filter: str | None = None) ->
         + ", ".join(f"{t} {c['n']['n']} ({100 * c['n']['n'] / max(total, 1):.1f}%)" for t, c in per_thread.items())
     ]
     for thread, c in sorted(per_thread.items(), key=lambda kv: -kv[1]["n"]["n"]):
-        n = c["n"]["n"]
-        out.append(f"\n==== {thread}: {n} samples; self time by bucket ====")
-        out += [f"{100 * v / n:6.1f}%  {b}" for b, v in c["bucket"].most_common()]
+        samples = c["n"]["n"]
+        out.append(f"\n==== {thread}: {samples} samples; self time by bucket ====")
+        out += [f"{100 * v / samples:6.1f}%  {b}" for b, v in c["bucket"].most_common()]
         out.append(f"-- top {top} inclusive --")
-        out += [f"{100 * v / n:6.1f}%  {f}" for f, v in c["incl"].most_common(top)]
+        out += [f"{100 * v / samples:6.1f}%  {f}" for f, v in c["incl"].most_common(top)]
         out.append(f"-- top {top} self --")
-        out += [f"{100 * v / n:6.1f}%  {f}" for f, v in c["self"].most_common(top)]
+        out += [f"{100 * v / samples:6.1f}%  {f}" for f, v in c["self"].most_common(top)]
     return "\n".join(out)
 
 

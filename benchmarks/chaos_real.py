@@ -80,6 +80,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from _common import wait_healthy
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "ppo_cartpole_ddp.py"
 DSEC = Path(sys.executable).with_name("dsec")
@@ -297,19 +299,8 @@ class ControlPlane:
             raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"dsec serve exited with {self.proc.returncode}: {tail(self.log_path)}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"dsec serve did not answer /healthz within {timeout_s:.0f} s")
-            time.sleep(0.1)
+        assert self.proc is not None
+        wait_healthy(self.proc, self.url, timeout_s, "dsec serve", lambda: f": {tail(self.log_path)}", poll_s=0.1)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
