@@ -26,6 +26,15 @@ def start(server_factory: Callable[..., Harness], home: Path, port: int | None =
     return h
 
 
+def four_devices(h: Harness) -> str:
+    """Devices gpu-0..3 on one node, all in pool-a; returns a worker-registration token for the pool."""
+    for i in range(4):
+        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16,
+                                                             "pool": "pool-a"})  # fmt: skip
+    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(4)])
+    return str(h.admin.create_token("pool-a"))
+
+
 class Worker:
     def __init__(self, h: Harness, token: str, device: str, role: str = "learner") -> None:
         answer = h.admin.register("pool-a", token=token, role=role, device=device, heartbeat_interval_s=1.0)
@@ -56,11 +65,7 @@ def test_slow_device_degrades_then_probation_then_healthy(
     server_factory: Callable[..., Harness], tmp_path: Path
 ) -> None:
     h = start(server_factory, tmp_path / "cp")
-    for i in range(4):
-        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16,
-                                                             "pool": "pool-a"})  # fmt: skip
-    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(4)])
-    token = h.admin.create_token("pool-a")
+    token = four_devices(h)
     workers = [Worker(h, token, f"gpu-{i}") for i in range(4)]
     slow = workers[2]
 
@@ -136,11 +141,7 @@ def test_a_learner_without_peers_does_not_shield_its_slow_device(
     """IMPALA-style: one learner, several actors. The learner cannot be compared (fewer than 3 learners), so it
     neither counts for nor against its device: the device it shares with a slow actor is degraded all the same."""
     h = start(server_factory, tmp_path / "cp")
-    for i in range(4):
-        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16,
-                                                             "pool": "pool-a"})  # fmt: skip
-    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(4)])
-    token = h.admin.create_token("pool-a")
+    token = four_devices(h)
     actors = [Worker(h, token, f"gpu-{i}", role="actor") for i in range(4)]
     learner = Worker(h, token, "gpu-2", role="learner")
     slow = actors[2]
