@@ -409,11 +409,8 @@ class DsecRegime(Regime):
             self.counts["run_records"] += 1
 
     def _observed_growth(self, w: int, t: float, hours: float) -> float:
-        sim = self.sim
-        mem = self.sc.groups.memory
-        burst_now = sim.burst_gb[w] if sim.burst_t0[w] <= t < sim.burst_end[w] else 0.0
-        steady = float(sim.memory(t, [w])[0]) - burst_now
-        return max(0.0, (steady - mem.base_gb) / hours)
+        steady = float(self.sim.memory(t, [w], bursts=False)[0])
+        return max(0.0, (steady - self.sc.groups.memory.base_gb) / hours)
 
     # -- per sample --------------------------------------------------------------------------------------------------
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
