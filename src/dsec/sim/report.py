@@ -52,7 +52,12 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         _row("goodput (useful optimizer steps/s, all groups)", b["goodput_steps_per_s"], d["goodput_steps_per_s"]),
         _row("effective training fraction (vs fault-free)", b["effective_fraction"], d["effective_fraction"]),
         _row("GPU-hours lost per day", b["gpu_hours_lost_per_day"], d["gpu_hours_lost_per_day"]),
-        _row("interruption rate (time not training)", b["interruption_rate"], d["interruption_rate"], "{:.3%}"),
+        _row(
+            "interruption rate (group-time lost to interruptions)",
+            b["interruption_rate"],
+            d["interruption_rate"],
+            "{:.3%}",
+        ),
         _row(
             "… without waiting for capacity",
             b["interruption_rate_without_capacity_waits"],

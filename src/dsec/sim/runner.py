@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,16 +97,14 @@ def summarize(o: Outcome) -> dict[str, Any]:
     per_day = 86400.0 / T
     ideal_steps = o.ideal_rate * T  # one group, no fault, no loss
     useful = float(o.progress.sum())
-    gpu_h = o.gpus_per_group / 3600.0
-    lost_total = float(np.sum(T - o.progress / o.ideal_rate)) * gpu_h * per_day
-    down = float(o.down_s.sum()) * gpu_h * per_day
-    pending = float(o.pending_s.sum()) * gpu_h * per_day
-    blocked = float(o.blocked_s.sum()) * gpu_h * per_day
-    rollback = float(o.rolled_back.sum()) / o.ideal_rate * gpu_h * per_day
+    # Group-seconds, then GPU-hours per day: a group holds gpus_per_group GPUs.
+    down_s, pending_s, blocked_s = float(o.down_s.sum()), float(o.pending_s.sum()), float(o.blocked_s.sum())
+    redone_s = float(o.rolled_back.sum()) / o.ideal_rate
+    gpu_h_per_day = o.gpus_per_group / 3600.0 * per_day
+    lost_total = float(np.sum(T - o.progress / o.ideal_rate)) * gpu_h_per_day
+    down, pending, blocked, rollback = (x * gpu_h_per_day for x in (down_s, pending_s, blocked_s, redone_s))
     recov = [i.recovery_s for i in o.interruptions]
-    causes: dict[str, int] = {}
-    for i in o.interruptions:
-        causes[i.cause] = causes.get(i.cause, 0) + 1
+    causes = Counter(i.cause for i in o.interruptions)
     return {
         "regime": o.regime,
         "goodput_steps_per_s": _r(useful / T, 4),
@@ -120,15 +119,9 @@ def summarize(o: Outcome) -> dict[str, Any]:
         },
         # Share of group-time lost to interruptions: restarting, waiting for capacity, saving state, and redoing the
         # work a failure rolled back (slow steps are not interruptions; they are in the GPU-hours lost).
-        "interruption_rate": _r(
-            float(o.down_s.sum() + o.pending_s.sum() + o.blocked_s.sum() + o.rolled_back.sum() / o.ideal_rate)
-            / (G * T),
-            5,
-        ),
+        "interruption_rate": _r((down_s + pending_s + blocked_s + redone_s) / (G * T), 5),
         # The same without waiting for capacity (the power-saving window takes GPUs away from both regimes alike).
-        "interruption_rate_without_capacity_waits": _r(
-            float(o.down_s.sum() + o.blocked_s.sum() + o.rolled_back.sum() / o.ideal_rate) / (G * T), 5
-        ),
+        "interruption_rate_without_capacity_waits": _r((down_s + blocked_s + redone_s) / (G * T), 5),
         "interruptions": len(o.interruptions),
         "interruptions_by_cause": dict(sorted(causes.items())),
         "interruptions_per_group_day": _r(len(o.interruptions) / G * per_day, 3),
