@@ -48,17 +48,13 @@ def simulate(
     from dsec.sim.sweep import findings
     from dsec.sim.sweep import sweep as run_sweep
 
+    settings = list(set_ or [])
+    settings += [f"duration_h={hours}"] if hours is not None else []
+    settings += [f"seed={seed}"] if seed is not None else []
     try:
-        sc = with_overrides(load_scenario(scenario), list(set_ or []))
+        sc = with_overrides(load_scenario(scenario), settings)
     except ConfigError as exc:
         raise fail(str(exc), 2) from None
-    updates: dict[str, Any] = {}
-    if hours is not None:
-        updates["duration_h"] = hours
-    if seed is not None:
-        updates["seed"] = seed
-    if updates:
-        sc = sc.model_copy(update=updates)
     try:
         comparison = run_simulation(sc)
     except ConfigError as exc:  # a policy file the scenario names
@@ -87,24 +83,16 @@ def simulate(
 
 
 def _table(c: Any) -> None:
+    from dsec.sim.report import SUMMARY_ROWS, cell
+
     b, d = c.summary("baseline"), c.summary("dsec")
     h = c.headline()
     t = Table(title=f"{c.scenario.name}: {c.scenario.workers} workers, {c.scenario.duration_h:g} simulated hours")
     t.add_column("")
     t.add_column("baseline", justify="right")
     t.add_column("DSec", justify="right")
-    rows = [
-        ("goodput (useful steps/s)", "goodput_steps_per_s", "{}"),
-        ("effective training fraction", "effective_fraction", "{:.1%}"),
-        ("GPU-hours lost / day", "gpu_hours_lost_per_day", "{}"),
-        ("interruption rate", "interruption_rate", "{:.2%}"),
-        ("interruptions", "interruptions", "{}"),
-        ("recovery p50 (s)", "recovery_s_p50", "{}"),
-        ("sync success", "sync_success_rate", "{:.2%}"),
-        ("meltdowns", "meltdowns", "{}"),
-    ]
-    for label, key, fmt in rows:
-        t.add_row(label, *("—" if s[key] is None else fmt.format(s[key]) for s in (b, d)))
+    for label, key, fmt in SUMMARY_ROWS:
+        t.add_row(label, cell(b[key], fmt), cell(d[key], fmt))
     out.print(t)
     out.print(
         f"goodput ratio DSec/baseline: [bold]{h['goodput_ratio']}[/]   simulation speed: {d['sim_speedup']}x real "

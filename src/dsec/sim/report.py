@@ -16,6 +16,26 @@ TARGETS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
 )
 
 
+# The per-regime figures both renderings show (this report, `dsec simulate`'s table): label, summary key, format.
+SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("goodput (useful optimizer steps/s, all groups)", "goodput_steps_per_s", "{}"),
+    ("effective training fraction (vs fault-free)", "effective_fraction", "{:.1%}"),
+    ("GPU-hours lost per day", "gpu_hours_lost_per_day", "{}"),
+    ("interruption rate (group-time lost to interruptions)", "interruption_rate", "{:.3%}"),
+    ("… without waiting for capacity", "interruption_rate_without_capacity_waits", "{:.3%}"),
+    ("interruptions", "interruptions", "{}"),
+    ("interruptions per group per day", "interruptions_per_group_day", "{}"),
+    ("recovery time p50 (s)", "recovery_s_p50", "{}"),
+    ("recovery time max (s)", "recovery_s_max", "{}"),
+    ("gradient-sync success rate", "sync_success_rate", "{:.3%}"),
+    ("breaker meltdowns", "meltdowns", "{}"),
+)
+
+
+def cell(value: Any, fmt: str = "{}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
 def _get(d: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None  # type: ignore[assignment]
@@ -23,10 +43,7 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
 
 
 def _row(label: str, b: Any, d: Any, fmt: str = "{}") -> str:
-    def f(v: Any) -> str:
-        return "—" if v is None else fmt.format(v)
-
-    return f"| {label} | {f(b)} | {f(d)} |"
+    return f"| {label} | {cell(b, fmt)} | {cell(d, fmt)} |"
 
 
 def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, Any]] | None = None) -> str:
@@ -49,26 +66,7 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         "",
         "| | baseline | DSec |",
         "|---|---:|---:|",
-        _row("goodput (useful optimizer steps/s, all groups)", b["goodput_steps_per_s"], d["goodput_steps_per_s"]),
-        _row("effective training fraction (vs fault-free)", b["effective_fraction"], d["effective_fraction"]),
-        _row("GPU-hours lost per day", b["gpu_hours_lost_per_day"], d["gpu_hours_lost_per_day"]),
-        _row(
-            "interruption rate (group-time lost to interruptions)",
-            b["interruption_rate"],
-            d["interruption_rate"],
-            "{:.3%}",
-        ),
-        _row(
-            "… without waiting for capacity",
-            b["interruption_rate_without_capacity_waits"],
-            d["interruption_rate_without_capacity_waits"],
-            "{:.3%}",
-        ),
-        _row("interruptions", b["interruptions"], d["interruptions"]),
-        _row("interruptions per group per day", b["interruptions_per_group_day"], d["interruptions_per_group_day"]),
-        _row("recovery time p50 / max (s)", _pair(b), _pair(d)),
-        _row("gradient-sync success rate", b["sync_success_rate"], d["sync_success_rate"], "{:.3%}"),
-        _row("breaker meltdowns", b["meltdowns"], d["meltdowns"]),
+        *(_row(label, b[key], d[key], fmt) for label, key, fmt in SUMMARY_ROWS),
         "",
         f"**goodput ratio (DSec / baseline): {h['goodput_ratio']}**",
         "",
@@ -119,12 +117,6 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
     if not plots:
         lines += ["(No plots: matplotlib is not installed — `pip install dsec[sim]`.)", ""]
     return "\n".join(lines)
-
-
-def _pair(s: dict[str, Any]) -> str | None:
-    if s["recovery_s_p50"] is None:
-        return None
-    return f"{s['recovery_s_p50']} / {s['recovery_s_max']}"
 
 
 def plot(c: Comparison, out: Path, sweep_rows: list[dict[str, Any]] | None = None) -> dict[str, str]:
