@@ -99,6 +99,14 @@ def test_kill_one_rank_restarts_the_group_from_snapshots(cp: Harness, tmp_path: 
             return len(new) == 2 and all(w["metrics"].get("updates_total", 0) > 0 for w in new)
 
         wait_for(trained_after_restart, timeout=60, what="training to resume after the restart")
+        # Both ranks resumed from the same step (one agreed step, never each its own newest snapshot) ...
+        restores = [e["data"] for e in cp.admin.all_events(types=["restore"]) if e["data"]["status"] == "ok"]
+        assert len(restores) == 2 and len({d["agreed_step"] for d in restores}) == 1, restores
+        # ... and launched workers report the device they were placed on (device health can judge them).
+        names = {w["id"]: f"trainers-{w['rank']}" for w in cp.admin.workers(pool="pool-a")}
+        assert {names[w["id"]]: w["device"] for w in cp.admin.workers(pool="pool-a")} == {
+            n: placed[n] for n in names.values()
+        }
         (tmp_path / "stop").touch()
         assert sup.run(timeout_s=60), sup.failed
         assert sup.restarts == {"trainers": 1}

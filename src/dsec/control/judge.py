@@ -220,6 +220,18 @@ class Judge:
             )
             verdict.add("stuck_episode", d.patch)
             self._alert(verdict.events, w, d.alert, Severity.WARNING, "consecutive interrupted episodes", d.data, now)
+        elif kind == "replica_drift":
+            # DDP replicas that no longer hold the same weights train different models and average their
+            # gradients: nothing downstream of this is trustworthy until they are made identical again.
+            self._alert(
+                verdict.events,
+                w,
+                f"{self._agent(w)}_replica_drift",
+                Severity.CRITICAL,
+                str(ev.data.get("message") or "replica parameters differ from the group's"),
+                dict(ev.data),
+                now,
+            )
         elif kind == "non_finite_gradient":
             decision = self._guard(w).instability(
                 "non_finite_gradient", w.directive.fields.precision, now, {"grad_norm": ev.data.get("grad_norm")}

@@ -142,6 +142,7 @@ class Supervisor:
                 "DSEC_GROUP": g.name,
                 "DSEC_SNAPSHOT_DIR": str(self.job.snapshots.dir),
                 "DSEC_SANDBOX_ID": self.job.pool,
+                "DSEC_DEVICE": str(a["device"]),  # device health judges the devices workers report
             }
             if self.endpoint:
                 env["DSEC_ENDPOINT"] = self.endpoint

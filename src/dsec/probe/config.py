@@ -17,6 +17,8 @@ DSEC_STUCK_EPISODES        consecutive interrupted episodes that raise an alert 
 DSEC_SNAPSHOT_DIR          snapshot store (snapshots off without it)             -
 DSEC_RESTORE               latest | N: restore before training resumes          -
 DSEC_SNAPSHOT_NAME         the worker's name in the snapshot store              <group>-<role>-<rank>
+DSEC_DRIFT_CHECK_STEPS     synchronized steps between replica fingerprints (0 off) 100
+DSEC_DEVICE                the device this worker runs on (set by dsec launch)   -
 RANK                       torch.distributed rank (also learned from init)       0
 =========================  ====================================================  =========
 
@@ -54,6 +56,7 @@ class ProbeConfig:
     error_feedback: bool = True
     interrupt_info_keys: tuple[str, ...] = ("collision", "crash", "interrupted")
     stuck_episode_threshold: int = 3
+    drift_check_steps: int = 100
     instrument_torch: bool = True
     instrument_gym: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -65,6 +68,8 @@ class ProbeConfig:
             )
         if self.stuck_episode_threshold < 1:
             raise ValueError(f"stuck_episode_threshold={self.stuck_episode_threshold} is invalid: expected >= 1")
+        if self.drift_check_steps < 0:
+            raise ValueError(f"drift_check_steps={self.drift_check_steps} is invalid: expected >= 0 (0: off)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeConfig | None:
@@ -87,7 +92,7 @@ class ProbeConfig:
             heartbeat_interval_s=float(
                 overrides.pop("heartbeat_interval_s", None) or env.get("DSEC_HEARTBEAT_INTERVAL", "5")
             ),
-            device=overrides.pop("device", None),
+            device=overrides.pop("device", None) or env.get("DSEC_DEVICE") or None,
         )
         keys = env.get("DSEC_INTERRUPT_KEYS")
         return cls(
@@ -100,6 +105,7 @@ class ProbeConfig:
             if keys
             else ("collision", "crash", "interrupted"),
             stuck_episode_threshold=int(env.get("DSEC_STUCK_EPISODES", "3")),
+            drift_check_steps=int(overrides.pop("drift_check_steps", env.get("DSEC_DRIFT_CHECK_STEPS", "100"))),
             **overrides,
         )
 

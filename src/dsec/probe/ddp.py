@@ -20,8 +20,10 @@ and carries out two directive fields:
   rate. Accumulation must be the same on every rank, so the group uses the largest N any rank asks for.
 
 Agreement without extra collectives: the last bucket of every synchronized step carries a small header
-with every rank's *desired* (bits, accum) — one-hot slots summed by the all_reduce, or a prefix of each
-rank's chunk. All ranks see the same headers, so at the next cycle start they switch together.
+(sync_header.py) with every rank's *desired* (bits, accum), its arrival stamp and what the replica guard needs
+(group snapshot flags, the replica fingerprint, a digest of the optimizer hyper-parameters; see replicas.py) —
+one-hot slots summed by the all_reduce, or a prefix of each rank's chunk. All ranks see the same headers, so at the
+next cycle start they switch together, and they agree on group snapshots and drift without another collective.
 
 Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
 includes waiting for the slowest one and raw latency cannot name the straggler. The header therefore
@@ -37,12 +39,12 @@ exactly (2**20 ms for float32, 2048 ms for float16) and differences are taken on
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from dsec import quant
+from dsec.probe import sync_header as sh
 from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos
 from dsec.probe.telemetry import Telemetry
@@ -50,11 +52,11 @@ from dsec.probe.telemetry import Telemetry
 if TYPE_CHECKING:
     import torch
 
+    from dsec.probe.replicas import ReplicaGuard
+
 log = logging.getLogger(__name__)
 
-HEADER_BYTES = 16  # int32 desired bits, int32 desired accum, float64 arrival stamp (s, wall clock)
-HEADER_SLOTS = 3  # per rank in the all_reduce path: bits, accum, arrival stamp (ms modulo STAMP_PERIOD_MS)
-STAMP_PERIOD_MS = {32: float(2**20), 16: 2048.0}
+HEADER_BYTES = sh.HEADER_BYTES
 FP16_MAX = 65504.0
 
 
@@ -80,6 +82,7 @@ class SyncCoordinator:
         block: int = quant.DEFAULT_BLOCK,
         error_feedback: bool = True,
         chaos: Chaos | None = None,
+        guard: ReplicaGuard | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -94,6 +97,7 @@ class SyncCoordinator:
         self.block = block
         self.error_feedback = error_feedback
         self.chaos = chaos
+        self.guard = guard
         default = actuators.default_bits
         self.peer_bits = [default] * self.world  # agreed: identical on every rank
         self.accum = 1
@@ -104,7 +108,9 @@ class SyncCoordinator:
         self.last_backward_synced = True
         self._residual: dict[tuple[int, ...], torch.Tensor] = {}
         self._grad_sq = 0.0
-        self.steps = 0
+        self.steps = 0  # backward passes seen
+        self.syncs = 0  # synchronized steps completed (identical on every rank)
+        self._my_extras = (0, 0, 0)
         actuators.collective_users += 1
 
     # -- cycle bookkeeping ----------------------------------------------------------------------------
@@ -117,6 +123,23 @@ class SyncCoordinator:
             self._seen = None
         self.actuators.confirm(self.peer_bits[self.rank], self.accum)
         self._my_desired = self.actuators.declare()
+        if self.guard is not None:
+            self._my_extras = self.guard.extras()
+
+    def _my_header(self, stamp: float) -> sh.Header:
+        bits, accum = self._my_desired
+        flags, fp, hyper = self._my_extras
+        return sh.Header(bits, min(accum, sh.MAX_ACCUM), stamp, flags, fp, hyper)
+
+    def _headers_seen(self, headers: list[sh.Header], period_ms: float | None, latency_s: float) -> None:
+        self._seen = [(h.bits, h.accum) for h in headers]
+        self._record_arrivals([h.stamp for h in headers], period_ms, latency_s)
+        self.syncs += 1
+        if self.guard is not None:
+            try:
+                self.guard.on_headers(headers, self.rank, self.syncs)
+            except Exception:
+                log.exception("dsec: replica guard failed on a sync header")
 
     def hook(self, _state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         import torch
@@ -154,23 +177,9 @@ class SyncCoordinator:
         return self._exchange(buf, params, last, start)
 
     # -- paths ----------------------------------------------------------------------------------------
-    def _header_onehot(self, dtype: torch.dtype, period_ms: float) -> torch.Tensor:
-        import torch
-
-        h = torch.zeros(HEADER_SLOTS * self.world, dtype=dtype)
-        h[HEADER_SLOTS * self.rank] = self._my_desired[0]
-        h[HEADER_SLOTS * self.rank + 1] = self._my_desired[1]
-        h[HEADER_SLOTS * self.rank + 2] = math.floor(time.time() * 1000.0) % period_ms  # arrival stamp
-        return h
-
     def _record_arrivals(self, stamps: list[float], period_ms: float | None, latency_s: float) -> None:
         """Lag and cost of this rank from every rank's arrival stamp (seconds, or ms on a circle)."""
-        mine = stamps[self.rank]
-        if period_ms is None:
-            deltas = [s - mine for s in stamps]
-        else:
-            half = period_ms / 2
-            deltas = [(((s - mine + half) % period_ms) - half) / 1000.0 for s in stamps]
+        deltas = sh.circle_deltas(stamps, stamps[self.rank], period_ms)
         lag = -min(deltas)  # how long after the earliest peer this rank arrived
         wait = max(deltas)  # how long it then waited for the latest one
         self.telemetry.record_arrival(lag, max(0.0, latency_s - wait) + lag)
@@ -182,9 +191,12 @@ class SyncCoordinator:
         send = buf.mul(scale)
         if bits == 16:
             send = send.clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
-        period = STAMP_PERIOD_MS[bits]
+        period = sh.STAMP_PERIOD_MS[bits]
         if last:
-            send = torch.cat((send, self._header_onehot(send.dtype, period)))
+            header = sh.encode_slots(
+                self._my_header(0.0), self.rank, self.world, bits, send.dtype, sh.stamp_now_ms(time.time())
+            )
+            send = torch.cat((send, header))
         nbytes = send.numel() * send.element_size()
         work = self._c.all_reduce(send, group=self.pg, async_op=True)
         n = buf.numel()
@@ -197,9 +209,7 @@ class SyncCoordinator:
                 raise
             latency = time.perf_counter() - start
             if last:
-                header = send[n:].to(torch.float64).view(self.world, HEADER_SLOTS).tolist()
-                self._seen = [(int(b), int(a)) for b, a, _ in header]
-                self._record_arrivals([t for _, _, t in header], period, latency)
+                self._headers_seen(sh.decode_slots(send[n:], self.world, bits), period, latency)
             buf.copy_(send[:n])
             self._finish(buf, last, nbytes, start)
             return buf
@@ -229,9 +239,8 @@ class SyncCoordinator:
             decoded = quant.dequantize(qt)
         if use_ef and decoded is not None:
             self._residual[params] = x - decoded
-        header = torch.tensor(list(self._my_desired), dtype=torch.int32).view(torch.uint8)
-        stamp = torch.tensor([time.time()], dtype=torch.float64).view(torch.uint8)
-        return torch.cat((header, stamp, payload.reshape(-1)))
+        header = sh.encode_bytes(self._my_header(time.time()))
+        return torch.cat((header, payload.reshape(-1)))
 
     def _decode(self, chunk: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
         import torch
@@ -282,15 +291,10 @@ class SyncCoordinator:
             parts = chunks()
             total = torch.zeros(n, dtype=torch.float32)
             latency = time.perf_counter() - start
-            headers, stamps = [], []
             for r, part in enumerate(parts):
                 total += self._decode(part, n, bits[r])
-                b, a = part[:8].clone().view(torch.int32).tolist()
-                headers.append((int(b), int(a)))
-                stamps.append(float(part[8:HEADER_BYTES].clone().view(torch.float64).item()))
             if last:
-                self._seen = headers
-                self._record_arrivals(stamps, None, latency)
+                self._headers_seen([sh.decode_bytes(part) for part in parts], None, latency)
             buf.copy_(total.div_(self.world * self.accum))
             self._finish(buf, last, nbytes, start)
             return buf

@@ -20,6 +20,7 @@ from dsec.probe import importhook
 from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
+from dsec.probe.replicas import ReplicaGuard
 from dsec.probe.reporter import Reporter
 from dsec.probe.snapshots import ProbeSnapshots
 from dsec.probe.telemetry import Telemetry
@@ -59,6 +60,7 @@ class Probe:
         self._pending_events: list[tuple[str, dict[str, Any]]] = []
         self.activities: set[str] = set()
         self.chaos: Chaos | None = None
+        self.replicas = ReplicaGuard(self, check_every=config.drift_check_steps)
         self.snapshots: ProbeSnapshots | None = ProbeSnapshots.from_env(self)
         try:
             self.chaos = Chaos.from_env(os.environ.get("DSEC_CHAOS"), rank=lambda: self._rank)
@@ -151,6 +153,7 @@ class Probe:
             self.telemetry.latency_cap_s = rep.latency_cap_ms / 1000.0
         out = self.telemetry.collect()
         out.update(self.actuators.state())
+        out.update(self.replicas.metrics())
         out.update(_memory_metrics())
         return out
 

@@ -2,11 +2,19 @@
 
 What is captured: every ``DistributedDataParallel`` module's inner module (parameters and buffers) and every
 optimizer the user builds (its parameters, even without DDP, and its state), plus RNG states. With
-``DSEC_RESTORE=latest`` (or a snapshot number) the newest verified snapshot is loaded into them as they are built,
-before any training: weights, buffers and RNG when the DDP wrapper is built (or, without DDP, when the first
-optimizer is), each optimizer's state as it is built. So the first rollout already uses the restored policy and
-the random streams continue where the snapshot left them. A step counter kept in a user's own variables is not
-restorable zero-touch; the snapshot's ``step`` (optimizer steps this process made) is reported instead.
+``DSEC_RESTORE=latest`` (or a snapshot number) a verified snapshot is loaded into them as they are built, before
+any training: weights, buffers and RNG when the DDP wrapper is built (or, without DDP, when the first optimizer is),
+each optimizer's state as it is built. So the first rollout already uses the restored policy and the random streams
+continue where the snapshot left them. A step counter kept in a user's own variables is not restorable zero-touch;
+the snapshot's ``step`` (optimizer steps of the run, continued across restores) is reported instead.
+
+**Ranks of a DDP group snapshot and restore together.** Their snapshots are *group snapshots*: a rank whose period
+is due (or that was asked for one) says so in the sync header, and every rank snapshots right after the same
+optimizer step (probe/replicas.py), so the ranks' snapshots share steps. A restore is agreed when the DDP wrapper is
+built (every rank builds it at the same point of the script): the ranks exchange the steps their snapshots hold,
+try the newest step every rank has, and restore it only if every rank's snapshot of that step verifies — else the
+next common step. No common verified step: nothing is restored anywhere and a ``restore`` event with status
+``none`` says why. Replicas never resume at different steps.
 
 Environment: DSEC_SNAPSHOT_DIR (off when unset), DSEC_RESTORE (latest | N), DSEC_SNAPSHOT_NAME (default
 ``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots),
@@ -22,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dsec.probe.runtime import Probe
     from dsec.snapshot import Snapshotter
+    from dsec.snapshot.reader import Loaded
 
 log = logging.getLogger(__name__)
+
+MAX_AGREE_TRIES = 8  # common steps tried (newest first) before a group gives up restoring
 
 
 class ProbeSnapshots:
@@ -44,10 +55,12 @@ class ProbeSnapshots:
             log.error("dsec: DSEC_RESTORE=%r is invalid (expected latest or a snapshot number); ignored", restore)
             self.restore_request = None
         self.snapshotter: Snapshotter | None = None
-        self.steps = 0
+        self.steps = 0  # optimizer steps of the run (continued from the restored snapshot's step)
         self._modules = 0
         self._optimizers = 0
         self._last_request: str | None = None
+        self._requests: list[str] = []  # asked for by the directive, not yet in a snapshot
+        self._trained = False  # an optimizer step ran in this process
         self._failed = False
         self.restored: dict[str, Any] | None = None
 
@@ -90,7 +103,11 @@ class ProbeSnapshots:
             snap.register(f"model{self._modules}", ddp)
             self._modules += 1
             if self.restore_request is not None:
-                self._restore()
+                pg = _group_of(ddp)
+                if pg is not None:
+                    self._agreed_restore(pg)
+                else:
+                    self._restore()
 
     def on_optimizer(self, opt: Any) -> None:
         snap = self._ensure()
@@ -101,7 +118,7 @@ class ProbeSnapshots:
         self._optimizers += 1
         if self.restore_request is not None:
             self._restore()  # no DDP module: the first optimizer brings the parameters
-        elif snap.restored is not None and self.steps == 0:
+        elif snap.restored is not None and not self._trained:
             snap.catch_up(name)  # built after the restore, before training: its state comes from the snapshot
 
     # -- training-thread hooks -----------------------------------------------------------------------------
@@ -112,19 +129,47 @@ class ProbeSnapshots:
             return self._restore()
         return False
 
-    def after_step(self) -> None:
+    def _poll_request(self) -> None:
+        act = self.probe.actuators
+        if act.snapshot_now and act.snapshot_now != self._last_request:
+            self._last_request = act.snapshot_now
+            self._requests.append(act.snapshot_now)
+
+    def _interval(self) -> float | None:
+        interval = self.interval_s or self.probe.actuators.snapshot_interval_s
+        return float(interval) if interval else None
+
+    def group_status(self) -> tuple[bool, bool]:
+        """(wanted, busy) for this rank's sync header: a snapshot is due or was asked for; the previous one is still
+        being written (then the group waits: a snapshot some rank cannot take would share no step)."""
+        snap = self.snapshotter
+        if snap is None:
+            return False, False
+        self._poll_request()
+        busy = snap.busy()
+        return (not busy and (bool(self._requests) or snap.due(self._interval()))), busy
+
+    def after_step(self, agreed: bool | None = None) -> None:
+        """After an optimizer step. ``agreed``: None when this process snapshots on its own timer; else whether the
+        ranks of its DDP group agreed (in this step's sync header) to snapshot now."""
         self.steps += 1
+        self._trained = True
         snap = self.snapshotter
         if snap is None:
             return
         act = self.probe.actuators
         if act.snapshot_compression_level is not None:
             snap.set_level(int(act.snapshot_compression_level))
-        request = act.snapshot_now if act.snapshot_now and act.snapshot_now != self._last_request else None
-        if request is not None:
-            self._last_request = request
-        interval = self.interval_s or act.snapshot_interval_s
-        snap.poll(step=self.steps, interval_s=float(interval) if interval else None, request=request)
+        self._poll_request()
+        if agreed is None:
+            request = self._requests.pop(0) if self._requests else None
+            snap.poll(step=self.steps, interval_s=self._interval(), request=request)
+            for extra in self._requests:
+                snap.poll(step=self.steps, request=extra)
+            self._requests.clear()
+        elif agreed:
+            requests, self._requests = tuple(self._requests), []
+            snap.take(step=self.steps, requests=requests)
 
     def _restore(self) -> bool:
         request, self.restore_request = self.restore_request, None
@@ -141,8 +186,63 @@ class ProbeSnapshots:
         if report is None:
             self.probe.event("restore", urgent=True, status="none", message=f"no usable snapshot in {self.root}")
             return False
-        self.restored = report.as_event(snap.worker)
+        self._restored(report.as_event(snap.worker), report.step)
         return True
+
+    def _restored(self, event: dict[str, Any], step: int | None) -> None:
+        self.restored = event
+        if step is not None:
+            self.steps = step
+        self.probe.replicas.force_check()
+
+    def _agreed_restore(self, pg: Any) -> bool:
+        """Restore the newest step for which every rank of ``pg`` holds a snapshot that verifies (all ranks call it
+        at the same point: the DDP wrapper's construction). Exchanges go through torch.distributed's own object
+        collectives on the DDP process group, before any training step."""
+        import torch.distributed as dist
+
+        from dsec.snapshot.manifest import CorruptSnapshot
+
+        request, self.restore_request = self.restore_request, None
+        snap = self.snapshotter
+        if snap is None:
+            return False
+        at_most = None if request == "latest" else int(str(request))
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        mine = [(seq, step) for seq, step in snap.manifest_steps() if at_most is None or seq <= at_most]
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, sorted({step for _, step in mine}, reverse=True), group=pg)
+        common = sorted(set.intersection(*(set(steps) for steps in everyone)), reverse=True)
+        skipped: list[tuple[int, str]] = []
+        refused: dict[int, list[int]] = {}
+        for step in common[:MAX_AGREE_TRIES]:
+            loaded: Loaded | None = None
+            for seq in (seq for seq, st in mine if st == step):
+                try:
+                    loaded = snap.load(seq)
+                    break
+                except CorruptSnapshot as exc:
+                    skipped.append((seq, str(exc)))
+                    self._event("snapshot_skipped", {"id": f"{snap.worker}/{seq}", "reason": str(exc)})
+            oks: list[Any] = [None] * world
+            dist.all_gather_object(oks, loaded is not None, group=pg)
+            if loaded is not None and all(oks):
+                note = {"agreed_step": step, "group_ranks": world, "rank": rank}
+                report = snap.restore(loaded, skipped, note=note)
+                self._restored({**report.as_event(snap.worker), **note}, report.step)
+                return True
+            refused[step] = [r for r, ok in enumerate(oks) if not ok]
+        if not any(everyone):
+            message = f"no snapshot in {self.root} for any rank of the group"
+        elif not common:
+            held = {str(r): steps[:5] for r, steps in enumerate(everyone)}
+            message = f"the ranks' snapshots share no step (newest steps per rank: {held}); nothing restored"
+        else:
+            message = "no common step verifies on every rank: " + "; ".join(
+                f"step {s}: rank(s) {r} damaged" for s, r in refused.items()
+            )
+        self.probe.event("restore", urgent=True, status="none", message=message, group_ranks=world, rank=rank)
+        return False
 
     def _event(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "restore":
@@ -155,3 +255,16 @@ class ProbeSnapshots:
     def close(self) -> None:
         if self.snapshotter is not None:
             self.snapshotter.close()
+
+
+def _group_of(ddp: Any) -> Any:
+    """The DDP wrapper's process group when it spans more than one rank (else None: restore on its own)."""
+    try:
+        import torch.distributed as dist
+
+        pg = getattr(ddp, "process_group", None)
+        if pg is not None and dist.is_initialized() and dist.get_world_size(pg) > 1:
+            return pg
+    except Exception:
+        log.debug("dsec: no process group for the agreed restore", exc_info=True)
+    return None

@@ -196,6 +196,7 @@ class TorchInstrumentation:
             original_init(self, *args, **kwargs)
             self._dsec_hooked = False
             inst.probe.activity("ddp")
+            inst.probe.replicas.add_module(self)
             inst._snapshots("on_module", self)
 
         self._patch(ddp_cls, "__init__", init)
@@ -214,6 +215,8 @@ class TorchInstrumentation:
                 block=self.probe.config.block_size,
                 error_feedback=self.probe.config.error_feedback,
                 chaos=self.probe.chaos,
+                # One guard per process: it covers every DDP model and optimizer; the first model's header carries it.
+                guard=None if self.coordinators else self.probe.replicas,
             )
             register(ddp, None, unannotated(coord.hook))
             self.coordinators.append(coord)
@@ -246,6 +249,7 @@ class TorchInstrumentation:
         @functools.wraps(fn)
         def init(opt: Any, *args: Any, **kwargs: Any) -> None:
             fn(opt, *args, **kwargs)
+            inst.probe.replicas.add_optimizer(opt)
             inst._snapshots("on_optimizer", opt)
             # Instance attributes shadow the class's step/zero_grad: only while accumulating do they
             # skip. They stay bound methods because LR schedulers re-wrap ``opt.step.__func__``.
@@ -282,7 +286,17 @@ class TorchInstrumentation:
             norm = _grad_norm(opt)
         self._clip_norm = None
         self.probe.telemetry.record_update(time.perf_counter() - start, norm)
-        self._snapshots("after_step")
+        self.probe.replicas.after_step()
+        self._snapshots("after_step", self._group_snapshot_agreed())
+
+    def _group_snapshot_agreed(self) -> bool | None:
+        """None when no multi-rank comm hook of ours carries the group's agreement (snapshots on a timer); else
+        whether the group agreed in the last sync header to snapshot at this step (consumed)."""
+        guard = next((c.guard for c in self.coordinators if c.guard is not None and c.world > 1), None)
+        if guard is None:
+            return None
+        agreed, guard.snapshot_agreed = guard.snapshot_agreed, False
+        return agreed
 
     def _snapshots(self, hook: str, *args: Any) -> Any:
         """Call a snapshot hook; a failure there is logged and never reaches the training code."""

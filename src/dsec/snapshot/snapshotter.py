@@ -28,7 +28,7 @@ import zstandard
 
 from dsec.snapshot import codec
 from dsec.snapshot.manifest import CorruptSnapshot, seal
-from dsec.snapshot.reader import Fallback, Loaded, load_latest
+from dsec.snapshot.reader import Fallback, Loaded, load, load_latest, read_manifest
 from dsec.snapshot.retention import collect_garbage
 from dsec.snapshot.store import SnapshotStore, check_worker
 
@@ -209,22 +209,23 @@ class Snapshotter:
                 self._force_base = True
 
     # -- taking ---------------------------------------------------------------------------------------------
-    def take(self, step: int | None = None, request: str | None = None, *, wait: bool = False) -> Ticket:
+    def take(
+        self, step: int | None = None, request: str | None = None, *, wait: bool = False, requests: tuple[str, ...] = ()
+    ) -> Ticket:
         """Snapshot now (or, when one is in flight, as soon as it is published). Returns its ticket."""
         t0 = time.perf_counter()
+        asked = [r for r in (request, *requests) if r]
         with self._lock:
             if self._closed:
                 raise RuntimeError("snapshotter is closed")
             if self._job is not None:
                 if self._followup is None:
                     self._followup = Ticket()
-                if request:
-                    self._followup.requests.append(request)
+                self._followup.requests.extend(asked)
                 return self._followup
             ticket = self._followup or Ticket()
             self._followup = None
-            if request:
-                ticket.requests.append(request)
+            ticket.requests.extend(asked)
             job = self._capture(step, ticket)
             self._job = job
             self._last_take = time.monotonic()
@@ -252,6 +253,15 @@ class Snapshotter:
                 due = time.monotonic() - self._last_take >= interval_s
         if due:
             self.take(step, request)
+
+    def busy(self) -> bool:
+        """A snapshot is being written, or one is queued behind it."""
+        with self._lock:
+            return self._job is not None or self._followup is not None
+
+    def due(self, interval_s: float | None) -> bool:
+        """The periodic snapshot is due (``interval_s`` since the last one was taken)."""
+        return interval_s is not None and time.monotonic() - self._last_take >= interval_s
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -498,6 +508,35 @@ class Snapshotter:
             self._emit("snapshot_skipped", {"id": f"{self.worker}/{seq}", "reason": reason})
         if loaded is None:
             return None
+        return self.restore(loaded, fallback.skipped, t0)
+
+    def manifest_steps(self) -> list[tuple[int, int]]:
+        """(seq, step) of this worker's snapshots that record a step, newest first. Reads the manifests only:
+        whether the snapshot verifies is only known once it is :meth:`load`-ed."""
+        out: list[tuple[int, int]] = []
+        for seq in reversed(self.store.manifests(self.worker)):
+            try:
+                step = read_manifest(self.store, self.worker, seq).get("step")
+            except CorruptSnapshot:
+                continue
+            if isinstance(step, int) and not isinstance(step, bool):
+                out.append((seq, step))
+        return out
+
+    def load(self, seq: int) -> Loaded:
+        """Snapshot ``seq`` of this worker, rebuilt and verified (raises CorruptSnapshot); nothing is applied."""
+        return load(self.store, self.worker, seq)
+
+    def restore(
+        self,
+        loaded: Loaded,
+        skipped: list[tuple[int, str]] | None = None,
+        t0: float | None = None,
+        note: dict[str, Any] | None = None,
+    ) -> RestoreReport:
+        """Apply a loaded snapshot to the registered objects and report it (a ``restore`` event, with ``note``'s
+        fields added)."""
+        t0 = time.perf_counter() - loaded.read_s if t0 is None else t0
         self.apply(loaded)
         self.restored = loaded
         report = RestoreReport(
@@ -505,9 +544,9 @@ class Snapshotter:
             loaded.manifest.get("step"),
             time.perf_counter() - t0,
             bool(loaded.manifest["mode"].get("lossless")),
-            fallback.skipped,
+            list(skipped or []),
         )
-        self._emit("restore", report.as_event(self.worker))
+        self._emit("restore", {**report.as_event(self.worker), **(note or {})})
         return report
 
     def apply(self, loaded: Loaded) -> None:

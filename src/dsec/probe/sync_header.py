@@ -1,0 +1,133 @@
+"""The small header every rank adds to the last bucket of a synchronized step, and how it travels.
+
+Each rank writes its own :class:`Header`; after the collective every rank holds every rank's header, so whatever is
+decided from the headers is decided identically on every rank, without an extra collective. Fields:
+
+- ``bits`` / ``accum``: the compression level and accumulation this rank asks for (see ddp.py);
+- ``stamp``: the wall clock when this rank entered the collective (straggler attribution, see ddp.py);
+- ``flags``: :class:`Flag` bits (wants a group snapshot, its snapshotter is busy, a fingerprint is attached, ...);
+- ``fingerprint``: 24 bits of the replica fingerprint (probe/replicas.py), valid when ``Flag.FINGERPRINT`` is set;
+- ``hyper``: 24 bits of a digest of the optimizer hyper-parameters this rank will apply.
+
+Two encodings. In the ``all_reduce`` path the header rides in extra elements of the bucket's own dtype: each rank
+writes its fields into *its own* slots and zeros elsewhere, so the sum is every rank's fields exactly — as long as
+every slot holds an integer the dtype represents exactly (float32: 24 bits, float16: 11 bits); wider fields are
+split over several slots. The arrival stamp is milliseconds modulo a period the dtype holds (differences are taken
+on that circle). In the byte paths (``all_gather`` / ``all_to_all``) the header is a fixed 32-byte struct in front
+of each rank's chunk.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+HEADER_BYTES = 32
+_STRUCT = struct.Struct("<iidIII4x")  # bits, accum, stamp (s), flags, fingerprint, hyper, padding
+# Bits an element of the slot dtype holds exactly, and the stamp period (ms) it holds.
+SLOT_BITS = {32: 24, 16: 11}
+STAMP_PERIOD_MS = {32: float(2**20), 16: 2048.0}
+# Field widths in bits (the stamp is one slot of its own).
+_WIDTHS = (("bits", 6), ("accum", 16), ("flags", 8), ("fingerprint", 24), ("hyper", 24))
+MAX_ACCUM = 2**16 - 1
+
+
+class Flag(enum.IntFlag):
+    SNAPSHOT_WANTED = 1  # this rank's snapshot period is due or a snapshot was requested
+    SNAPSHOT_BUSY = 2  # this rank's previous snapshot is still being written
+    FINGERPRINT = 4  # ``fingerprint`` holds this rank's replica fingerprint
+    JOIN_KNOWN = 8  # this rank knows of a replacement waiting to join (heal/, the admission is agreed on)
+
+
+@dataclass(frozen=True)
+class Header:
+    bits: int
+    accum: int
+    stamp: float = 0.0  # seconds (wall clock); in the all_reduce path milliseconds on the circle
+    flags: int = 0
+    fingerprint: int = 0
+    hyper: int = 0
+
+    def has(self, flag: Flag) -> bool:
+        return bool(self.flags & flag)
+
+
+def _pieces(width: int, cap: int) -> int:
+    return -(-width // cap)
+
+
+def slots_per_rank(bits: int) -> int:
+    cap = SLOT_BITS[bits]
+    return 1 + sum(_pieces(w, cap) for _, w in _WIDTHS)
+
+
+def encode_slots(h: Header, rank: int, world: int, bits: int, dtype: torch.dtype, stamp_ms: float) -> torch.Tensor:
+    """The header as ``world * slots_per_rank`` elements of ``dtype``: this rank's fields in its slots, zeros
+    elsewhere (summed over ranks by the all_reduce)."""
+    import torch
+
+    cap = SLOT_BITS[bits]
+    n = slots_per_rank(bits)
+    values = [stamp_ms % STAMP_PERIOD_MS[bits]]
+    for name, width in _WIDTHS:
+        v = int(getattr(h, name))
+        if v < 0 or v >= 2**width:
+            raise ValueError(f"header field {name}={v} does not fit in {width} bits")
+        for i in range(_pieces(width, cap)):
+            values.append(float((v >> (cap * i)) & ((1 << cap) - 1)))
+    out = torch.zeros(n * world, dtype=dtype)
+    out[n * rank : n * (rank + 1)] = torch.tensor(values, dtype=dtype)
+    return out
+
+
+def decode_slots(slots: torch.Tensor, world: int, bits: int) -> list[Header]:
+    """Every rank's header from the summed slots (stamps in ms, on the circle of ``STAMP_PERIOD_MS[bits]``)."""
+    import torch
+
+    cap = SLOT_BITS[bits]
+    n = slots_per_rank(bits)
+    rows = slots.to(torch.float64).view(world, n).tolist()
+    out = []
+    for row in rows:
+        fields: dict[str, int] = {}
+        pos = 1
+        for name, width in _WIDTHS:
+            v = 0
+            for i in range(_pieces(width, cap)):
+                v |= round(row[pos]) << (cap * i)
+                pos += 1
+            fields[name] = v
+        out.append(Header(stamp=row[0], **fields))
+    return out
+
+
+def encode_bytes(h: Header) -> torch.Tensor:
+    import torch
+
+    raw = _STRUCT.pack(h.bits, h.accum, h.stamp, h.flags, h.fingerprint, h.hyper)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_bytes(chunk: torch.Tensor) -> Header:
+    raw = chunk[:HEADER_BYTES].cpu().numpy().tobytes()
+    bits, accum, stamp, flags, fingerprint, hyper = _STRUCT.unpack(raw)
+    return Header(bits, accum, stamp, flags, fingerprint, hyper)
+
+
+def circle_deltas(stamps: list[float], mine: float, period_ms: float | None) -> list[float]:
+    """Seconds from this rank's stamp to every rank's: plain differences of seconds, or differences of
+    milliseconds on a circle of ``period_ms`` (the all_reduce path)."""
+    if period_ms is None:
+        return [s - mine for s in stamps]
+    half = period_ms / 2
+    return [(((s - mine + half) % period_ms) - half) / 1000.0 for s in stamps]
+
+
+def stamp_now_ms(now_s: float) -> float:
+    return float(math.floor(now_s * 1000.0))

@@ -1,0 +1,190 @@
+"""Replicas of a DDP group stay identical through snapshots and restores, and drift is caught: real ranks (gloo on
+127.0.0.1) under `dsec run` against a real control plane.
+
+- the ranks' periodic snapshots are group snapshots: every rank holds the same steps;
+- a group restarted from snapshots taken at *different* steps restores the newest step every rank holds intact
+  (here: one rank's newer snapshot is damaged) and ends with bit-identical parameters;
+- ranks that share no step restore nothing, and say why;
+- a rank whose weights leave the group's is reported (``replica_drift`` anomaly, critical alert) by the drift check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Harness
+from dsec.control.server import free_port
+
+torch = pytest.importorskip("torch")
+
+from dsec.snapshot import LocalDirStore, Snapshotter  # noqa: E402
+from dsec.snapshot.reader import read_manifest  # noqa: E402
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ddp_toy.py"
+DSEC = Path(sys.executable).with_name("dsec")
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:  # the whole session: the wrapper, mp.spawn's parent and its ranks
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _run(
+    cp: Harness,
+    jobs: list[subprocess.Popen[bytes]],
+    tmp: Path,
+    *,
+    world: int,
+    steps: int,
+    snapdir: Path | None = None,
+    restore: bool = False,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    n = len(jobs)
+    out, log = tmp / f"out{n}.json", tmp / f"job{n}.log"
+    cmd = [
+        str(DSEC), "run", "--endpoint", cp.url, "--sandbox-id", "pool-a", "--token", cp.pool_tokens["pool-a"],
+        "--role", "learner",
+    ]  # fmt: skip
+    if snapdir is not None:
+        cmd += ["--snapshot-dir", str(snapdir)]
+    if restore:
+        cmd += ["--restore", "latest"]
+    cmd += ["--", sys.executable, str(FIXTURE), "--world", str(world), "--port", str(free_port()),
+            "--stop-file", str(tmp / "never"), "--out", str(out), "--max-steps", str(steps), *args]  # fmt: skip
+    full_env = {**os.environ, "DSEC_HEARTBEAT_INTERVAL": "0.2", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    jobs.append(proc)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    return dict(json.loads(out.read_text()))
+
+
+def _events(cp: Harness, kind: str) -> list[dict[str, Any]]:
+    return list(cp.admin.all_events(types=[kind]))
+
+
+def _steps_held(snapdir: Path, worker: str) -> set[int]:
+    store = LocalDirStore(snapdir)
+    return {int(read_manifest(store, worker, seq)["step"]) for seq in store.manifests(worker)}
+
+
+def test_ranks_snapshot_at_the_same_steps(server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    snapdir = tmp_path / "snaps"
+    result = _run(
+        server,
+        jobs,
+        tmp_path,
+        world=2,
+        steps=160,
+        snapdir=snapdir,
+        env={"DSEC_SNAPSHOT_INTERVAL_S": "0.3"},
+        args=("--sleep", "0.01"),
+    )
+    assert result["max_param_diff"] == 0.0
+    held = [_steps_held(snapdir, f"default-learner-{r}") for r in range(2)]
+    # Per-rank timers would give each rank its own steps; group snapshots give both the same ones.
+    assert len(held[0]) >= 3 and held[0] == held[1], held
+    # The drift check ran (first step, then every 100 synchronized steps) and found the replicas identical.
+    workers = server.admin.workers()
+    assert len(workers) == 2
+    for w in workers:
+        assert w["metrics"].get("replica_checks_total", 0) >= 2, w["metrics"]
+        assert w["metrics"].get("replica_drift_total") == 0
+    assert not [e for e in _events(server, "anomaly") if e["data"].get("kind") == "replica_drift"]
+
+
+def _write_snapshots(snapdir: Path, worker: str, rank: int, steps: list[int]) -> dict[int, int]:
+    """Snapshots of the fixture's model (names as the probe registers them) whose weights encode their step;
+    the RNG state differs per rank, so each rank's snapshot has a chunk of its own. Returns step -> seq."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seqs = {}
+    with Snapshotter(LocalDirStore(snapdir), worker, level=0) as snap:
+        snap.register("model0", model)
+        snap.register("optim0", opt)
+        for step in steps:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(step / 1000.0)
+            torch.manual_seed(1000 * rank + step)
+            ticket = snap.take(step=step, wait=True)
+            assert ticket.seq is not None
+            seqs[step] = ticket.seq
+    return seqs
+
+
+def test_restore_takes_the_newest_step_every_rank_holds_intact(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    snapdir = tmp_path / "snaps"
+    _write_snapshots(snapdir, "default-learner-0", 0, [10, 20, 30])
+    seqs1 = _write_snapshots(snapdir, "default-learner-1", 1, [10, 20, 25])
+    # Rank 1's step-20 snapshot is damaged: its RNG chunk (its own: the state differs per rank) gets one bit flipped.
+    store = LocalDirStore(snapdir)
+    chunk = read_manifest(store, "default-learner-1", seqs1[20])["tensors"]["rng/torch"]["chunk"]
+    path = snapdir / "chunks" / chunk[:2] / chunk
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    result = _run(server, jobs, tmp_path, world=2, steps=5, snapdir=snapdir, restore=True)
+    # Each rank's newest (30 and 25) would differ; 20 is damaged on rank 1; 10 is the newest good common step.
+    assert result["max_param_diff"] == 0.0 and result["finite"]
+    restores = [e["data"] for e in _events(server, "restore")]
+    assert sorted(d["status"] for d in restores) == ["ok", "ok"], restores
+    assert {d["agreed_step"] for d in restores} == {10} and {d["step"] for d in restores} == {10}
+    skipped = [e["data"] for e in _events(server, "snapshot") if e["data"].get("status") == "skipped"]
+    assert [d["id"] for d in skipped] == [f"default-learner-1/{seqs1[20]}"]
+
+
+def test_ranks_without_a_common_step_restore_nothing_and_say_why(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    snapdir = tmp_path / "snaps"
+    _write_snapshots(snapdir, "default-learner-0", 0, [10])
+    _write_snapshots(snapdir, "default-learner-1", 1, [20])
+    result = _run(server, jobs, tmp_path, world=2, steps=3, snapdir=snapdir, restore=True)
+    assert result["max_param_diff"] == 0.0
+    restores = [e["data"] for e in _events(server, "restore")]
+    assert [d["status"] for d in restores] == ["none", "none"], restores
+    assert all("share no step" in d["message"] for d in restores)
+
+
+def test_a_rank_that_drifts_is_reported(server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    result = _run(
+        server,
+        jobs,
+        tmp_path,
+        world=3,
+        steps=40,
+        env={"DSEC_DRIFT_CHECK_STEPS": "5"},
+        args=("--perturb-rank", "1", "--perturb-step", "12"),
+    )
+    assert result["max_param_diff"] > 0.0  # the fixture's own check agrees that the replicas differ
+    ranks = {w["id"]: w["rank"] for w in server.admin.workers()}
+    drift = [e for e in _events(server, "anomaly") if e["data"].get("kind") == "replica_drift"]
+    assert drift and {ranks[e["worker_id"]] for e in drift} == {1}
+    first = min(drift, key=lambda e: e["data"]["step"])["data"]
+    # Perturbed after step 12; fingerprints are taken after steps 1, 16, 21, ... (due at syncs 15, 20, ...).
+    assert first["step"] == 16 and first["drifted_ranks"] == [1] and first["majority"] is not None
+    alerts = [e for e in _events(server, "alert") if "replica_drift" in str(e["data"].get("name", ""))]
+    assert alerts and alerts[0]["data"]["severity"] == "critical"
