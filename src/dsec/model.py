@@ -67,7 +67,8 @@ class EventType(str, enum.Enum):
     POLICY = "policy"  # a rule's state changed: pending, firing, resolved, reset
     PLACEMENT = "placement"  # a job was placed (devices per worker, score)
     DEVICE = "device"  # a device's health changed, or a run on it ended (history for its profile)
-    RECOVERY = "recovery"  # a launcher restarted a worker group (phases timed)
+    RECOVERY = "recovery"  # a launcher restarted a worker group, or a group healed in place (phases timed)
+    HEAL = "heal"  # a healing group's membership changed: an epoch formed or broke, a replacement waits, a fencing
     WEBHOOK = "webhook"  # a policy pushed to an agent runtime was delivered or given up (attempts logged)
     ALERT = "alert"
     ANOMALY = "anomaly"

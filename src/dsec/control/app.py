@@ -20,6 +20,7 @@ from dsec import __version__
 from dsec.control import auth, errors
 from dsec.control.auth import bearer
 from dsec.control.errors import ApiError
+from dsec.control.healing import HealRegistry, epochs_from_store, heal_routes
 from dsec.control.http import (
     JSON,
     BodyLimitAndMetrics,
@@ -485,6 +486,18 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.include_router(ops_routes())
     app.include_router(worker_routes())
     app.include_router(admin_routes())
+    app.state.heal = HealRegistry(
+        cp.record_events,
+        clock=clock,
+        join_timeout_s=settings.heal_join_timeout_s,
+        epochs=epochs_from_store(cp.store),
+    )
+    app.include_router(
+        heal_routes(
+            lambda request: request.app.state.heal,
+            lambda request, token: (_cp(request).pool_of_token(token), _cp(request).is_admin(token)),
+        )
+    )
     app.add_middleware(BodyLimitAndMetrics, max_body_bytes=settings.max_body_bytes, metrics=app.state.metrics)
     # What the server runs: the shortcut in front of the whole FastAPI app (its middleware stack included),
     # so a heartbeat costs one Python call chain instead of FastAPI's. See ``serve_target``.

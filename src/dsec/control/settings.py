@@ -52,6 +52,9 @@ class Settings:
     device_health: DeviceHealthConfig | None = None
     # Policy pushes to agent runtimes: retries and timeouts; None: the defaults of RetryPolicy.
     webhook_retry: RetryPolicy | None = None
+    # Healing groups: after a failure, members not known dead are waited for this long before the next epoch
+    # forms without them (a supervisor that saw the exit names the dead rank, and nobody waits).
+    heal_join_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:

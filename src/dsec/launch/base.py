@@ -33,6 +33,7 @@ class Exit:
     group: str
     code: int | None  # exit status; None when the backend lost the process (node gone)
     at: float  # time.time() when the exit was noticed
+    pid: int | None = None  # the process that exited, when the backend knows it (local)
 
 
 class Launcher(Protocol):

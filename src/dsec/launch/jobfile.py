@@ -14,6 +14,7 @@ Example (``examples/jobs/ppo.yaml``)::
         memory_gb: 4
         load_class: short-episode
         replay_share: false
+        heal: true                       # replace a dead rank in place; its peers keep training
         command: [python, examples/ppo_cartpole_ddp.py, --max-seconds, "60"]
 
 The control plane comes from ``--endpoint`` / ``DSEC_ENDPOINT`` and the pool token from ``DSEC_TOKEN`` (for the
@@ -43,6 +44,9 @@ class SnapshotSettings(_Strict):
 class RestartSettings(_Strict):
     max_restarts: int = Field(3, ge=0, le=1000)
     resume_timeout_s: float = Field(120.0, gt=0, le=3600)
+    # Healing groups: how long a replacement may wait for admission before the group falls back to a restart from
+    # its agreed snapshots (a script whose collectives never repeat has no admission point).
+    admit_timeout_s: float = Field(120.0, gt=0, le=3600)
 
 
 class GroupFile(_Strict):
@@ -53,6 +57,8 @@ class GroupFile(_Strict):
     memory_gb: float = Field(4.0, gt=0, le=4096)
     load_class: Literal["long-episode", "short-episode", "sync-heavy"] = "short-episode"
     replay_share: bool = False
+    # Heal in place: a dead rank is replaced without stopping its peers (docs/healing.md); gloo DDP jobs only.
+    heal: bool = False
     env: dict[str, str] = Field(default_factory=dict)
 
 

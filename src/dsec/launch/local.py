@@ -170,7 +170,7 @@ class LocalLauncher:
         for name, p in list(self._procs.items()):
             code = p.popen.poll()
             if code is not None:
-                out.append(Exit(name, p.spec.group, code, time.time()))
+                out.append(Exit(name, p.spec.group, code, time.time(), p.popen.pid))
                 self._close(name)
         return out
 

@@ -1,9 +1,16 @@
-"""Supervision of a launched job: place it, start it, and restart a failed worker group from its newest snapshot.
+"""Supervision of a launched job: place it, start it, heal or restart a failed worker group.
 
-A group is the unit of restart: when one rank of a DDP group dies, its peers are stuck in a collective (gloo has
-no abort), so the whole group is killed and started again with ``DSEC_RESTORE=latest``; each worker's probe
-restores the newest snapshot that verifies before training resumes. The recovery is timed in phases and recorded
-as a ``recovery`` event:
+**Healing groups** (``heal: true``): when a rank dies, its peers keep their processes. The supervisor reports the
+dead rank to the control plane at once (the survivors re-form their process group without it, docs/healing.md)
+and starts a replacement for that rank only (a warm standby when there is one); the replacement is admitted at the
+next point where the group's sequence of collectives starts over and receives the live state from a peer. Timed
+as a ``recovery`` event with ``mode: heal``: ``detect_s``, ``reconfigure_s`` (report -> the survivors' new epoch),
+``rejoin_s`` (replacement spawned -> admitted), ``total_s``. When the replacement is not admitted within
+``restart.admit_timeout_s``, or no rank of the group is left alive, the group falls back to a restart.
+
+**Restarts**: the whole group is killed and started again with ``DSEC_RESTORE=latest``; the ranks restore one step
+every rank holds a verified snapshot of (probe/snapshots.py). The recovery is timed in phases and recorded as a
+``recovery`` event:
 
 - ``detect_s``: the dead process's last sign of life (previous poll) to the supervisor noticing the exit;
 - ``stop_s``: killing the rest of the group;
@@ -21,10 +28,12 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.client import ClientError
 from dsec.launch.base import Exit, Launcher, WorkerLaunch
 from dsec.launch.jobfile import JobFile
 from dsec.scheduler.inventory import synthesize
@@ -44,17 +53,24 @@ class Recovery:
     group: str
     worker: str
     code: int | None
-    reason: str  # exit | degraded-device
+    reason: str  # exit | degraded-device | heal-timeout
     detected_at: float
     detect_s: float
-    stopped_at: float = 0.0
+    stopped_at: float = 0.0  # restart: the group is stopped; heal: the death is reported
     spawned_at: float = 0.0
-    resumed_at: float | None = None
+    resumed_at: float | None = None  # restart: every rank restored; heal: the replacement admitted
     restore_s: float | None = None
     restored: list[str] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)
+    mode: str = "restart"  # restart | heal
+    run: str | None = None  # heal: the healing run
+    reconfigured_at: float | None = None  # heal: the survivors' epoch without the dead rank formed
+    epoch: int | None = None  # heal: the epoch that admitted the replacement
+    report: dict[str, Any] | None = None  # heal: the death report, until the control plane took it
 
     def timings(self) -> dict[str, Any]:
+        if self.mode == "heal":
+            return self._heal_timings()
         out: dict[str, Any] = {
             "group": self.group,
             "worker": self.worker,
@@ -69,6 +85,26 @@ class Recovery:
             out["restore_s"] = round(self.restore_s or 0.0, 4)
             out["total_s"] = round(self.resumed_at - self.detected_at + self.detect_s, 4)
             out["restored"] = self.restored
+        return out
+
+    def _heal_timings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": "heal",
+            "group": self.group,
+            "worker": self.worker,
+            "exit_code": self.code,
+            "reason": self.reason,
+            "run": self.run,
+            "detect_s": round(self.detect_s, 4),
+            "healthy_ranks_restarted": 0,
+            "devices": self.devices,
+        }
+        if self.reconfigured_at is not None:
+            out["reconfigure_s"] = round(max(0.0, self.reconfigured_at - self.stopped_at), 4)
+        if self.resumed_at is not None:
+            out["rejoin_s"] = round(max(0.0, self.resumed_at - self.spawned_at), 4)
+            out["total_s"] = round(self.resumed_at - self.detected_at + self.detect_s, 4)
+            out["epoch"] = self.epoch
         return out
 
 
@@ -113,6 +149,9 @@ class Supervisor:
         self.failed: dict[str, str] = {}  # group -> why it was given up
         self.recoveries: list[Recovery] = []
         self._pending: dict[str, Recovery] = {}  # group -> recovery waiting for its restores
+        self._healing: dict[str, Recovery] = {}  # worker -> heal waiting for its replacement's admission
+        self.runs: dict[str, str] = {}  # healing group -> its current healing run
+        self._live: dict[str, set[str]] = {}  # group -> workers started and not exited
         self._last_poll = time.time()
         self._last_device_check = 0.0
 
@@ -120,12 +159,26 @@ class Supervisor:
     def _place(self) -> dict[str, Any]:
         return place_job(self.job, self.client)
 
-    def _launches(self, group: str, restore: bool) -> list[WorkerLaunch]:
-        g = next(x for x in self.job.groups if x.name == group)
+    def _spawn(self, launches: list[WorkerLaunch]) -> None:
+        self.launcher.start(launches)
+        for w in launches:
+            self._live.setdefault(w.group, set()).add(w.worker)
+
+    def _group(self, name: str) -> Any:
+        return next(x for x in self.job.groups if x.name == name)
+
+    def _new_run(self, group: str) -> None:
+        if self._group(group).heal:
+            self.runs[group] = f"{self.job.job}-{group}-{uuid.uuid4().hex[:10]}"
+
+    def _launches(
+        self, group: str, restore: bool, ranks: list[int] | None = None, replacement: bool = False
+    ) -> list[WorkerLaunch]:
+        g = self._group(group)
         by_worker = {a["worker"]: a for a in self.placement["assignments"]}
         port = str(free_port())
         out = []
-        for rank in range(g.world_size):
+        for rank in range(g.world_size) if ranks is None else ranks:
             name = f"{g.name}-{rank}"
             a = by_worker[name]
             # Rendezvous defaults for a group on this machine; a job spread over machines (Ray) sets MASTER_ADDR
@@ -152,6 +205,10 @@ class Supervisor:
                 env["DSEC_SNAPSHOT_INTERVAL_S"] = str(self.job.snapshots.interval_s)
             if restore:
                 env["DSEC_RESTORE"] = "latest"
+            if group in self.runs:
+                env["DSEC_HEAL_RUN"] = self.runs[group]
+                if replacement:
+                    env["DSEC_HEAL_REPLACEMENT"] = "1"
             device = str(a["device"])
             index = device.rsplit("gpu", 1)[-1]
             out.append(
@@ -168,7 +225,8 @@ class Supervisor:
         whole job)."""
         self.placement = self._place()
         for g in self.job.groups:
-            self.launcher.start(self._launches(g.name, restore=restore))
+            self._new_run(g.name)
+            self._spawn(self._launches(g.name, restore=restore))
         self._last_poll = time.time()
 
     # -- supervision loop -----------------------------------------------------------------------------------------
@@ -178,18 +236,26 @@ class Supervisor:
         previous, self._last_poll = self._last_poll, now
         for e in self.launcher.poll():
             self._on_exit(e, previous)
+        if self._healing:
+            self._check_healed()
         if self.client is not None:
-            self._check_resumed()
-            if now - self._last_device_check >= self.device_check_s:
-                self._last_device_check = now
-                self._check_devices()
+            try:
+                self._check_resumed()
+                if now - self._last_device_check >= self.device_check_s:
+                    self._last_device_check = now
+                    self._check_devices()
+            except ClientError as exc:
+                # The control plane restarting must not take the supervisor (and its job) down: try again later.
+                log.warning("supervisor: control plane request failed (%s); retrying", exc)
 
     def finished(self) -> bool:
         groups = {g.name for g in self.job.groups}
         live = groups - set(self.failed)
         total = {g.name: g.world_size for g in self.job.groups}
         return (
-            all(sum(1 for w in self.done if w.rsplit("-", 1)[0] == g) >= total[g] for g in live) and not self._pending
+            all(sum(1 for w in self.done if w.rsplit("-", 1)[0] == g) >= total[g] for g in live)
+            and not self._pending
+            and not self._healing
         )
 
     def run(self, timeout_s: float | None = None) -> bool:
@@ -208,16 +274,85 @@ class Supervisor:
     def _on_exit(self, e: Exit, previous: float) -> None:
         if e.code == 0:
             self.done.add(e.worker)
+            self._live.get(e.group, set()).discard(e.worker)
             return
-        if e.group in self.failed:
+        if e.group in self.failed or e.group in self._pending:
             return
-        self._restart(e.group, e.worker, e.code, "exit", e.at, max(0.0, e.at - previous))
+        detect_s = max(0.0, e.at - previous)
+        self._live.get(e.group, set()).discard(e.worker)
+        if e.group in self.runs and self._live.get(e.group) and self._heal(e, detect_s):
+            return
+        self._restart(e.group, e.worker, e.code, "exit", e.at, detect_s)
+
+    # -- healing ----------------------------------------------------------------------------------------------
+    def _heal_request(self, group: str, method: str, path: str, body: Any = None) -> Any:
+        assert self.client is not None
+        return self.client.request(method, f"/v1/heal/{self.runs[group]}{path}", json=body)
+
+    def _heal(self, e: Exit, detect_s: float) -> bool:
+        """Replace the dead rank in place (its peers keep training). False: the group must restart instead."""
+        if self.client is None:
+            return False
+        rank = int(e.worker.rsplit("-", 1)[1])
+        rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="heal", run=self.runs[e.group])
+        rec.report = {"dead_rank": rank, "dead_pid": e.pid, "reason": f"{e.worker} exited with {e.code}"}
+        view = self._report(rec)
+        if view is not None and not view.get("epoch"):
+            return False  # died before the group's first epoch formed: nothing to heal yet
+        rec.stopped_at = time.time()
+        if self.restarts[e.group] >= self.job.restart.max_restarts:
+            self.failed[e.group] = f"{e.worker} exited with {e.code}; {self.restarts[e.group]} restarts already"
+            log.error("group %s given up: %s", e.group, self.failed[e.group])
+            return True
+        self.restarts[e.group] += 1
+        self.done.discard(e.worker)
+        launches = self._launches(e.group, restore=False, ranks=[rank], replacement=True)
+        rec.devices = {w.worker: str(w.device) for w in launches}
+        self._spawn(launches)
+        rec.spawned_at = time.time()
+        self._healing[e.worker] = rec
+        return True
+
+    def _report(self, rec: Recovery) -> dict[str, Any] | None:
+        """Tell the control plane which rank died (the survivors then re-form without waiting for it). While it is
+        unreachable the report is retried; the survivors' own failed collectives break the epoch meanwhile."""
+        try:
+            out = self._heal_request(rec.group, "POST", "/fail", rec.report)
+        except Exception as exc:
+            log.warning("group %s: cannot report %s's death yet (%s)", rec.group, rec.worker, exc)
+            return None
+        rec.report = None
+        return dict(out.get("view") or {})
+
+    def _check_healed(self) -> None:
+        for worker, rec in list(self._healing.items()):
+            rank = int(worker.rsplit("-", 1)[1])
+            if rec.report is not None:
+                self._report(rec)
+            try:
+                state = self._heal_request(rec.group, "GET", "")
+            except Exception:
+                continue
+            members = state.get("members") or []
+            if rec.reconfigured_at is None and rank not in members:
+                rec.reconfigured_at = float(state.get("formed_at") or time.time())
+            elif rec.reconfigured_at is not None and rank in members:
+                rec.resumed_at = float(state.get("formed_at") or time.time())
+                rec.epoch = int(state.get("epoch") or 0)
+                del self._healing[worker]
+                self._complete(rec)
+            elif time.time() - rec.spawned_at > self.job.restart.admit_timeout_s:
+                del self._healing[worker]
+                log.warning("group %s: %s not admitted within %.0f s; restarting the group from its snapshots",
+                            rec.group, worker, self.job.restart.admit_timeout_s)  # fmt: skip
+                self._restart(rec.group, worker, None, "heal-timeout", time.time(), 0.0)
 
     def _restart(
         self, group: str, worker: str, code: int | None, reason: str, detected_at: float, detect_s: float
     ) -> None:
         rec = Recovery(group, worker, code, reason, detected_at, detect_s)
         self.launcher.stop_group(group)
+        self._live.pop(group, None)
         rec.stopped_at = time.time()
         if self.restarts[group] >= self.job.restart.max_restarts:
             self.failed[group] = f"{worker} exited with {code}; {self.restarts[group]} restarts already"
@@ -225,9 +360,12 @@ class Supervisor:
             return
         self.restarts[group] += 1
         self.done = {w for w in self.done if not w.startswith(f"{group}-")}
+        for w in [w for w, r in self._healing.items() if r.group == group]:
+            del self._healing[w]
+        self._new_run(group)  # a fresh healing run: the restarted ranks form a new group
         launches = self._launches(group, restore=True)
         rec.devices = {w.worker: str(w.device) for w in launches}
-        self.launcher.start(launches)
+        self._spawn(launches)
         rec.spawned_at = time.time()
         if self.client is None:
             self._complete(rec)

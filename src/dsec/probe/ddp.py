@@ -126,10 +126,15 @@ class SyncCoordinator:
         if self.guard is not None:
             self._my_extras = self.guard.extras()
 
-    def _my_header(self, stamp: float) -> sh.Header:
+    def _my_header(self, stamp: float, contributes: bool = True, admit: int = 0) -> sh.Header:
         bits, accum = self._my_desired
         flags, fp, hyper = self._my_extras
-        return sh.Header(bits, min(accum, sh.MAX_ACCUM), stamp, flags, fp, hyper)
+        flags |= sh.Flag.PRESENT
+        if contributes:
+            flags |= sh.Flag.CONTRIBUTES
+        if admit:
+            flags |= sh.Flag.JOIN_KNOWN
+        return sh.Header(bits, min(accum, sh.MAX_ACCUM), stamp, int(flags), fp, hyper, admit & sh.MASK24)
 
     def _headers_seen(self, headers: list[sh.Header], period_ms: float | None, latency_s: float) -> None:
         self._seen = [(h.bits, h.accum) for h in headers]
@@ -141,9 +146,8 @@ class SyncCoordinator:
             except Exception:
                 log.exception("dsec: replica guard failed on a sync header")
 
-    def hook(self, _state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        import torch
-
+    def _prelude(self, bucket: Any) -> tuple[Any, bool]:
+        """Cycle bookkeeping at each bucket: (the bucket's buffer, whether it is the backward's last bucket)."""
         if not self._in_backward:
             self._in_backward = True
             if self._cycle_pos == 0:
@@ -160,16 +164,26 @@ class SyncCoordinator:
             factor = self.chaos.grad_factor()
             if factor != 1.0:
                 buf.mul_(factor)  # injected gradient spike on this rank
+        return buf, last
+
+    def _late(self) -> None:
+        if self.chaos is not None:
+            # Injected lateness: this rank reaches the step's last collective late (a slow rank).
+            delay = self.chaos.sync_delay_s(self.rank)
+            if delay > 0:
+                time.sleep(delay)
+
+    def hook(self, _state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        import torch
+
+        buf, last = self._prelude(bucket)
         if not self._sync_now:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buf)
             return fut
         params = tuple(id(p) for p in bucket.parameters())
-        if last and self.chaos is not None:
-            # Injected lateness: this rank reaches the step's last collective late (a slow rank).
-            delay = self.chaos.sync_delay_s(self.rank)
-            if delay > 0:
-                time.sleep(delay)
+        if last:
+            self._late()
         start = time.perf_counter()
         bits = self.peer_bits
         if all(b == 32 for b in bits) or all(b == 16 for b in bits):

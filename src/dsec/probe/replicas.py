@@ -114,7 +114,7 @@ class ReplicaGuard:
         self.drifts = 0
         self.drifted = False  # this rank differed from the majority at the last check
         self.last_check: dict[str, Any] | None = None
-        self._hyper_reported: set[tuple[int, ...]] = set()
+        self._hyper_reported: set[tuple[tuple[int, int], ...]] = set()
 
     # -- what the guard covers --------------------------------------------------------------------------
     def add_module(self, module: Any) -> None:
@@ -173,23 +173,25 @@ class ReplicaGuard:
 
     # -- after every synchronized step (any thread) -----------------------------------------------------------
     def on_headers(self, headers: list[Header], rank: int, syncs: int) -> None:
-        wanted = any(h.has(Flag.SNAPSHOT_WANTED) for h in headers)
-        busy = any(h.has(Flag.SNAPSHOT_BUSY) for h in headers)
+        """``headers`` by rank; a rank without ``Flag.PRESENT`` (dead, under healing) is left out of every vote."""
+        present = {r: h for r, h in enumerate(headers) if h.has(Flag.PRESENT)}
+        wanted = any(h.has(Flag.SNAPSHOT_WANTED) for h in present.values())
+        busy = any(h.has(Flag.SNAPSHOT_BUSY) for h in present.values())
         self.snapshot_agreed = wanted and not busy
         if self.check_every > 0 and syncs % self.check_every == 0:
             self._fp_due = True
-        checked = {r: h.fingerprint for r, h in enumerate(headers) if h.has(Flag.FINGERPRINT)}
+        checked = {r: h.fingerprint for r, h in present.items() if h.has(Flag.FINGERPRINT)}
         if checked:
             self._judge(checked, rank, syncs)
-        hypers = tuple(h.hyper for h in headers)
-        if len(set(hypers)) > 1 and hypers not in self._hyper_reported:
+        hypers = tuple((r, h.hyper) for r, h in present.items())
+        if len({v for _, v in hypers}) > 1 and hypers not in self._hyper_reported:
             self._hyper_reported.add(hypers)
             self.probe.event(
                 "anomaly",
                 urgent=True,
                 kind="hyperparameter_mismatch",
                 step=syncs,
-                digests={str(r): f"{v:06x}" for r, v in enumerate(hypers)},
+                digests={str(r): f"{v:06x}" for r, v in hypers},
                 message="ranks apply different optimizer hyper-parameters (learning rate, betas, ...): "
                 "their replicas will drift apart",
             )

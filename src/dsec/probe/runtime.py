@@ -7,11 +7,13 @@ gymnasium environment — or at once by ``dsec.attach()``. Launcher processes th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
@@ -20,6 +22,7 @@ from dsec.probe import importhook
 from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
+from dsec.probe.healing import Healing
 from dsec.probe.replicas import ReplicaGuard
 from dsec.probe.reporter import Reporter
 from dsec.probe.snapshots import ProbeSnapshots
@@ -62,6 +65,7 @@ class Probe:
         self.chaos: Chaos | None = None
         self.replicas = ReplicaGuard(self, check_every=config.drift_check_steps)
         self.snapshots: ProbeSnapshots | None = ProbeSnapshots.from_env(self)
+        self.healing: Healing | None = Healing.from_env(self)
         try:
             self.chaos = Chaos.from_env(os.environ.get("DSEC_CHAOS"), rank=lambda: self._rank)
         except ChaosError as exc:
@@ -193,6 +197,15 @@ class Probe:
             while not self.actuators.wait_for_sampling(timeout=1.0):
                 pass
 
+    @contextlib.contextmanager
+    def internal_collectives(self) -> Iterator[None]:
+        """Collectives DSec makes itself on the script's process group (see Healing.internal)."""
+        if self.healing is None:
+            yield
+            return
+        with self.healing.internal():
+            yield
+
     def autocast(self, device_type: str = "cpu") -> AbstractContextManager[None]:
         return self.actuators.autocast(device_type)
 
@@ -201,6 +214,11 @@ class Probe:
         return self._rank if self._rank is not None else _env_rank()
 
     def close(self) -> None:
+        if self.healing is not None:
+            try:
+                self.healing.close()
+            except Exception:
+                log.exception("dsec: leaving the healing group failed")
         if self.snapshots is not None:
             try:
                 self.snapshots.close()  # publishes the snapshot in flight; its event goes with the last beat

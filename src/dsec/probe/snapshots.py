@@ -105,7 +105,8 @@ class ProbeSnapshots:
             if self.restore_request is not None:
                 pg = _group_of(ddp)
                 if pg is not None:
-                    self._agreed_restore(pg)
+                    with self.probe.internal_collectives():
+                        self._agreed_restore(pg)
                 else:
                     self._restore()
 

@@ -7,7 +7,9 @@ decided from the headers is decided identically on every rank, without an extra 
 - ``stamp``: the wall clock when this rank entered the collective (straggler attribution, see ddp.py);
 - ``flags``: :class:`Flag` bits (wants a group snapshot, its snapshotter is busy, a fingerprint is attached, ...);
 - ``fingerprint``: 24 bits of the replica fingerprint (probe/replicas.py), valid when ``Flag.FINGERPRINT`` is set;
-- ``hyper``: 24 bits of a digest of the optimizer hyper-parameters this rank will apply.
+- ``hyper``: 24 bits of a digest of the optimizer hyper-parameters this rank will apply;
+- ``admit``: under healing, the collective (24 low bits of its number) at which this rank proposes to admit a
+  waiting replacement (probe/elastic.py), valid with ``Flag.JOIN_KNOWN``.
 
 Two encodings. In the ``all_reduce`` path the header rides in extra elements of the bucket's own dtype: each rank
 writes its fields into *its own* slots and zeros elsewhere, so the sum is every rank's fields exactly — as long as
@@ -29,20 +31,23 @@ if TYPE_CHECKING:
     import torch
 
 HEADER_BYTES = 32
-_STRUCT = struct.Struct("<iidIII4x")  # bits, accum, stamp (s), flags, fingerprint, hyper, padding
+_STRUCT = struct.Struct("<iidIIII")  # bits, accum, stamp (s), flags, fingerprint, hyper, admit
 # Bits an element of the slot dtype holds exactly, and the stamp period (ms) it holds.
 SLOT_BITS = {32: 24, 16: 11}
 STAMP_PERIOD_MS = {32: float(2**20), 16: 2048.0}
 # Field widths in bits (the stamp is one slot of its own).
-_WIDTHS = (("bits", 6), ("accum", 16), ("flags", 8), ("fingerprint", 24), ("hyper", 24))
+_WIDTHS = (("bits", 6), ("accum", 16), ("flags", 8), ("fingerprint", 24), ("hyper", 24), ("admit", 24))
 MAX_ACCUM = 2**16 - 1
+MASK24 = 2**24 - 1
 
 
 class Flag(enum.IntFlag):
     SNAPSHOT_WANTED = 1  # this rank's snapshot period is due or a snapshot was requested
     SNAPSHOT_BUSY = 2  # this rank's previous snapshot is still being written
     FINGERPRINT = 4  # ``fingerprint`` holds this rank's replica fingerprint
-    JOIN_KNOWN = 8  # this rank knows of a replacement waiting to join (heal/, the admission is agreed on)
+    JOIN_KNOWN = 8  # this rank knows of a replacement waiting to join (``admit`` holds its proposed point)
+    PRESENT = 16  # a header was written here (under healing, a dead rank's slots stay zero)
+    CONTRIBUTES = 32  # this rank's gradient counts in the average (not a replacement in its first period)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class Header:
     flags: int = 0
     fingerprint: int = 0
     hyper: int = 0
+    admit: int = 0
 
     def has(self, flag: Flag) -> bool:
         return bool(self.flags & flag)
@@ -110,14 +116,14 @@ def decode_slots(slots: torch.Tensor, world: int, bits: int) -> list[Header]:
 def encode_bytes(h: Header) -> torch.Tensor:
     import torch
 
-    raw = _STRUCT.pack(h.bits, h.accum, h.stamp, h.flags, h.fingerprint, h.hyper)
+    raw = _STRUCT.pack(h.bits, h.accum, h.stamp, h.flags, h.fingerprint, h.hyper, h.admit)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def decode_bytes(chunk: torch.Tensor) -> Header:
     raw = chunk[:HEADER_BYTES].cpu().numpy().tobytes()
-    bits, accum, stamp, flags, fingerprint, hyper = _STRUCT.unpack(raw)
-    return Header(bits, accum, stamp, flags, fingerprint, hyper)
+    bits, accum, stamp, flags, fingerprint, hyper, admit = _STRUCT.unpack(raw)
+    return Header(bits, accum, stamp, flags, fingerprint, hyper, admit)
 
 
 def circle_deltas(stamps: list[float], mine: float, period_ms: float | None) -> list[float]:

@@ -27,6 +27,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Where each collective takes its ``group`` argument positionally (under healing, collectives on the default group
+# are carried by the elastic group; see healing.py).
+GROUP_ARG = {
+    "all_reduce": 2,
+    "all_gather": 2,
+    "all_gather_into_tensor": 2,
+    "reduce_scatter": 3,
+    "reduce_scatter_tensor": 3,
+    "broadcast": 2,
+    "barrier": 0,
+    "all_to_all": 2,
+    "all_to_all_single": 4,
+    "reduce": 3,
+    "gather": 3,
+    "scatter": 3,
+}
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
+
 COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -80,9 +98,21 @@ class TorchInstrumentation:
 
         self.originals = _Originals(dist)
         if dist.is_available():
-            for name in COLLECTIVES:
-                if hasattr(dist, name):
-                    self._patch(dist, name, self._wrap_collective(name, getattr(dist, name)))
+            import torch.distributed.distributed_c10d as c10d
+
+            # Under healing the script's collectives must reach the elastic group even when torch's own helpers
+            # (all_gather_object, broadcast_object_list, ...) call them inside distributed_c10d.
+            owners = (dist, c10d) if self.probe.healing is not None else (dist,)
+            for owner in owners:
+                for name in COLLECTIVES:
+                    if hasattr(owner, name):
+                        self._patch(owner, name, self._wrap_collective(name, getattr(owner, name)))
+            if self.probe.healing is not None:
+                for owner in owners:
+                    for name in (*POINT_TO_POINT, "new_group"):
+                        if hasattr(owner, name):
+                            self._patch(owner, name, self._refuse(name, getattr(owner, name)))
+                self._patch(dist, "destroy_process_group", self._wrap_destroy(dist.destroy_process_group))
             self._patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -96,6 +126,8 @@ class TorchInstrumentation:
 
         # Learning-rate schedules advance per optimizer update, not per accumulated micro-step.
         self._patch(sched.LRScheduler, "step", self._gate(sched.LRScheduler.step, "scheduler"))
+        if self.probe.healing is not None:
+            self._patch(sched.LRScheduler, "__init__", self._wrap_scheduler_init(sched.LRScheduler.__init__))
         if not issubclass(sched.ReduceLROnPlateau, sched.LRScheduler):
             self._patch(sched.ReduceLROnPlateau, "step", self._gate(sched.ReduceLROnPlateau.step, "scheduler"))
         import torch.nn.utils as nn_utils
@@ -117,15 +149,31 @@ class TorchInstrumentation:
         setattr(owner, name, replacement)
 
     # -- collectives ----------------------------------------------------------------------------------
+    def _healed(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """True when this call must go through the elastic group (healing on, the default group)."""
+        healing = self.probe.healing
+        if healing is None or healing.elastic is None:
+            return False
+        import torch.distributed as dist
+
+        pos = GROUP_ARG.get(name)
+        group = kwargs.get("group", args[pos] if pos is not None and len(args) > pos else None)
+        return group is None or group is dist.GroupMember.WORLD
+
     def _wrap_collective(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         telemetry = self.probe.telemetry
+        inst = self
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             nbytes = _nbytes(args, kwargs)
             start = time.perf_counter()
+            healing = inst.probe.healing
             try:
-                result = fn(*args, **kwargs)
+                if healing is not None and inst._healed(name, args, kwargs):
+                    result = healing.collective(name, args, kwargs)
+                else:
+                    result = fn(*args, **kwargs)
             except Exception:
                 telemetry.record_collective(name, nbytes, time.perf_counter() - start, False)
                 raise
@@ -150,11 +198,52 @@ class TorchInstrumentation:
 
         return wrapper
 
+    def _refuse(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            from dsec.probe.heal_ops import NotHealable
+
+            raise NotHealable(f"dsec healing cannot carry torch.distributed.{name} (turn healing off for this job)")
+
+        return refused
+
+    def _wrap_destroy(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        probe = self.probe
+
+        @functools.wraps(fn)
+        def destroy(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            if probe.healing is not None and (args[0] if args else kwargs.get("group")) is None:
+                probe.healing.close()  # a clean end: this member leaves the healing group
+            return result
+
+        return destroy
+
+    def _wrap_scheduler_init(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        probe = self.probe
+
+        @functools.wraps(fn)
+        def init(sched: Any, *args: Any, **kwargs: Any) -> None:
+            fn(sched, *args, **kwargs)
+            if probe.healing is not None:
+                probe.healing.add_scheduler(sched)  # its state travels to a replacement
+
+        return init
+
     def _wrap_init(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         probe = self.probe
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            healing = probe.healing
+            if healing is not None:
+                backend = str(args[0] if args else kwargs.get("backend") or "gloo").lower()
+                if "gloo" not in backend:
+                    log.warning("dsec: healing needs gloo process groups (got %r): healing is off", backend)
+                    probe.event("log", urgent=True, kind="heal", what="off", reason=f"backend {backend}")
+                    probe.healing = None
+                else:
+                    return _init_healing(fn, probe, kwargs)
             result = fn(*args, **kwargs)
             try:
                 import torch.distributed as dist
@@ -175,6 +264,10 @@ class TorchInstrumentation:
         def register_comm_hook(self: Any, state: Any, hook: Callable[..., Any]) -> Any:
             if getattr(self, "_dsec_hooked", False):
                 raise RuntimeError("register_comm_hook must be called before the first forward under dsec")
+            if inst.probe.healing is not None:
+                from dsec.probe.heal_ops import NotHealable
+
+                raise NotHealable("dsec healing carries the gradient sync itself: a user comm hook cannot be used")
             self._dsec_hooked = True
             inst.probe.actuators.collectives_locked = True
             inst.probe.event(
@@ -197,6 +290,8 @@ class TorchInstrumentation:
             self._dsec_hooked = False
             inst.probe.activity("ddp")
             inst.probe.replicas.add_module(self)
+            if inst.probe.healing is not None:
+                inst.probe.healing.after_ddp_init(self)
             inst._snapshots("on_module", self)
 
         self._patch(ddp_cls, "__init__", init)
@@ -206,10 +301,14 @@ class TorchInstrumentation:
 
     def _install_coordinator(self, ddp: Any, register: Callable[..., Any]) -> None:
         ddp._dsec_hooked = True
+        healing = self.probe.healing
         try:
-            coord = SyncCoordinator(
-                self.probe.actuators,
-                self.probe.telemetry,
+            make: Callable[..., SyncCoordinator] = (
+                functools.partial(healing.coordinator, ddp) if healing is not None else SyncCoordinator
+            )
+            coord = make(
+                actuators=self.probe.actuators,
+                telemetry=self.probe.telemetry,
                 process_group=ddp.process_group,
                 collectives=self.originals,
                 block=self.probe.config.block_size,
@@ -239,6 +338,8 @@ class TorchInstrumentation:
                 return None
             if what == "step" and inst._snapshots("before_step"):
                 return None  # restored just now: this step's gradient belongs to the weights before the restore
+            if what == "step" and inst.probe.healing is not None:
+                inst.probe.healing.before_step()
             return fn(*args, **kwargs)
 
         return gated
@@ -346,3 +447,22 @@ def _grad_norm(opt: Any) -> float | None:
         return None
     norms = torch._foreach_norm(grads)
     return float(torch.linalg.vector_norm(torch.stack(norms)).item())
+
+
+def _init_healing(fn: Callable[..., Any], probe: Probe, kwargs: dict[str, Any]) -> Any:
+    """``init_process_group`` under healing: a placeholder default group with the script's rank and world size
+    (torch's ``fake`` backend), then the first epoch of the elastic group (blocks until every rank has joined)."""
+    import os
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rank = int(kwargs.get("rank", -1))
+    world = int(kwargs.get("world_size", -1))
+    rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
+    world = world if world >= 1 else int(os.environ.get("WORLD_SIZE", "1"))
+    result = fn("fake", rank=rank, world_size=world, store=FakeStore())
+    probe.on_distributed(rank, world)
+    healing = probe.healing
+    assert healing is not None
+    healing.start(rank, world)
+    return result

@@ -19,21 +19,22 @@ from dsec.probe.replicas import MASK24, ReplicaGuard, fingerprint, hyper_digest 
 def test_slot_headers_sum_to_every_ranks_exact_fields(bits: int, dtype: torch.dtype) -> None:
     world = 3
     headers = [
-        sh.Header(bits=4, accum=1, flags=int(sh.Flag.SNAPSHOT_WANTED), fingerprint=MASK24, hyper=0x123456),
+        sh.Header(bits=4, accum=1, flags=int(sh.Flag.SNAPSHOT_WANTED), fingerprint=MASK24, hyper=0x123456, admit=5),
         sh.Header(bits=32, accum=65535, flags=int(sh.Flag.FINGERPRINT | sh.Flag.SNAPSHOT_BUSY), fingerprint=1),
-        sh.Header(bits=8, accum=7, flags=0, fingerprint=0xABCDEF, hyper=MASK24),
+        sh.Header(bits=8, accum=7, flags=63, fingerprint=0xABCDEF, hyper=MASK24, admit=MASK24),
     ]
     stamps = [1_000_123.0, 1_000_456.0, 2_000_000.0]
     total = sum(sh.encode_slots(h, r, world, bits, dtype, stamps[r]) for r, h in enumerate(headers))
     assert total.dtype == dtype and total.numel() == world * sh.slots_per_rank(bits)
     out = sh.decode_slots(total, world, bits)
     for got, want, stamp in zip(out, headers, stamps, strict=True):
-        assert (got.bits, got.accum, got.flags, got.fingerprint, got.hyper) == (
+        assert (got.bits, got.accum, got.flags, got.fingerprint, got.hyper, got.admit) == (
             want.bits,
             want.accum,
             want.flags,
             want.fingerprint,
             want.hyper,
+            want.admit,
         )
         assert got.stamp == stamp % sh.STAMP_PERIOD_MS[bits]
 
@@ -44,7 +45,7 @@ def test_a_field_too_wide_for_its_slots_is_refused() -> None:
 
 
 def test_byte_header_round_trip_and_size() -> None:
-    h = sh.Header(bits=4, accum=3, stamp=1764551234.125, flags=5, fingerprint=0xFEDCBA, hyper=42)
+    h = sh.Header(bits=4, accum=3, stamp=1764551234.125, flags=5, fingerprint=0xFEDCBA, hyper=42, admit=77)
     raw = sh.encode_bytes(h)
     assert raw.dtype == torch.uint8 and raw.numel() == sh.HEADER_BYTES
     assert sh.decode_bytes(torch.cat((raw, torch.zeros(10, dtype=torch.uint8)))) == h
@@ -121,6 +122,7 @@ class _Probe:
 
 
 def _h(fp: int | None = None, flags: int = 0, hyper: int = 0) -> sh.Header:
+    flags |= sh.Flag.PRESENT
     if fp is not None:
         flags |= sh.Flag.FINGERPRINT
     return sh.Header(bits=32, accum=1, flags=flags, fingerprint=fp or 0, hyper=hyper)
@@ -154,6 +156,14 @@ def test_headers_without_fingerprints_decide_nothing_about_drift() -> None:
     g = ReplicaGuard(p, check_every=10)  # type: ignore[arg-type]
     g.on_headers([_h(), _h()], 0, syncs=1)
     assert p.events == [] and g.metrics() == {}
+
+
+def test_absent_ranks_take_no_part_in_the_votes() -> None:
+    p = _Probe()
+    g = ReplicaGuard(p, check_every=10)  # type: ignore[arg-type]
+    absent = sh.Header(bits=0, accum=0)  # a dead rank's slots: zeros
+    g.on_headers([_h(7, hyper=3), absent, _h(7, hyper=3)], 0, syncs=1)
+    assert p.events == [] and g.metrics()["replica_drift"] == 0.0
 
 
 def test_fingerprint_is_due_at_the_first_step_then_every_check_every_syncs() -> None:

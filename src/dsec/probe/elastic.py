@@ -1,0 +1,496 @@
+"""The process group a healing member trains on: one gloo group per epoch, replaced in place when a member dies
+or a replacement joins, without restarting the survivors.
+
+Every collective of a healing member — the gradient sync of its DDP comm hook and the script's own collectives on
+the default group — is an :class:`Op` submitted here, one at a time, in program order (the same order on every
+member: that is what makes them pair up). The fast path issues the op on the current epoch's group and completes
+its future when gloo does. When the op fails (a peer's connection reset) or the control plane says the epoch is
+broken (a supervisor saw a rank exit; a member whose op failed reported it), the op is handed to this member's
+*heal thread*, which:
+
+1. joins the next epoch at the control plane with its *completed* count (control/healing.py waits for every live
+   member, then answers with a :class:`~dsec.heal.membership.Plan`);
+2. builds the new epoch's gloo group from the store of the plan's *source* (every member hosts an idle TCPStore
+   server for this; the prefix names the run and the epoch, so a stale member can never meet a new epoch);
+3. resolves the interrupted op: a member one collective behind receives that collective's result from the source
+   (it was completed there; running it again would pair with nobody), a member at the group's count runs its op
+   again in the new epoch from its kept inputs;
+4. on admission, sends the model/optimizer state to the replacements (replica_state.py).
+
+Gloo cannot abort a pending collective: an op stuck in a dead epoch's group is abandoned (its future is completed
+by us, not by gloo) and the old group is kept referenced — destroying it would wait for the stuck op — until its
+collective timeout frees its thread. Detection: a peer's death resets its TCP connections, so the members that were
+waiting on it fail at once; the others learn it from the control plane's watch (long-poll) within milliseconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dsec.heal.membership import Plan
+from dsec.heal.sequence import Sequence
+from dsec.probe.heal_client import FencedOut, HealClient, HealUnavailable
+from dsec.probe.replica_state import ReplicaState, TransferError
+from dsec.probe.replica_state import recv as recv_state
+from dsec.probe.replica_state import send as send_state
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+TAG_RESULT = 7_002
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """What an op needs to run in the current epoch."""
+
+    epoch: int
+    pg: Any  # torch ProcessGroupGloo (a Backend: collectives take lists of tensors)
+    members: tuple[int, ...]  # logical ranks in pg-rank order
+    rank: int  # this member's logical rank
+    world: int  # logical world size (the job's)
+    source: int  # the member every other can copy from (the plan's source)
+    shadow: bool = False  # a replacement in its first period: its gradients do not count
+
+    @property
+    def pg_rank(self) -> int:
+        return self.members.index(self.rank)
+
+    def pg_rank_of(self, logical: int, fallback: int) -> int:
+        """The pg rank of logical rank ``logical`` (``fallback``'s when it is not a member of this epoch)."""
+        return self.members.index(logical if logical in self.members else fallback)
+
+
+class Op(Protocol):
+    """One collective. ``sig`` names it in the group's sequence (None: DSec's own, not part of the script's)."""
+
+    @property
+    def sig(self) -> str | None: ...
+
+    def issue(self, ep: Epoch) -> Any: ...  # start it on ep.pg; returns a Work
+
+    def result(self) -> list[torch.Tensor]: ...  # what a member one behind needs (valid after completion)
+
+    def accept(self, tensors: list[torch.Tensor]) -> None: ...  # take the result from the source instead
+
+    def finish(self) -> Any: ...  # after completion or accept: copy outputs, return the op's value
+
+
+class _State(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    HANDED = "handed"  # to the heal thread (failed, aborted, or to be run in the next epoch)
+
+
+@dataclass
+class _Pending:
+    op: Op
+    fut: Any  # torch.futures.Future
+    admit: bool = False
+    state: _State = _State.PENDING
+    epoch: int = 0
+    error: str | None = None
+    submitted: float = field(default_factory=time.monotonic)
+
+
+def _advertised_host(target: str | None) -> str:
+    """The address peers reach this process at: DSEC_HEAL_HOST, else the local address of the route to ``target``
+    (the rendezvous host), else 127.0.0.1."""
+    if not target:
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class ElasticGroup:
+    def __init__(
+        self,
+        client: HealClient,
+        rank: int,
+        world: int,
+        *,
+        replacement: bool = False,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        capture_state: Callable[[], ReplicaState] | None = None,
+        receive_state: Callable[[ReplicaState, Plan], None] | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self._dist: Any = dist
+        self.client = client
+        self.rank, self.world = rank, world
+        self.replacement = replacement
+        self.timeout = timedelta(seconds=timeout_s)
+        self._on_event = on_event
+        self._capture_state = capture_state
+        self._receive_state = receive_state
+        self._server = self._dist.TCPStore(host, 0, None, True, timeout=self.timeout, wait_for_workers=False)
+        self.address = f"{host}:{self._server.port}"
+        self._stores: dict[str, Any] = {}
+        self.plan: Plan | None = None  # the current epoch's (set up here)
+        self._seen_plan: Plan | None = None  # the newest one received (maybe not set up: its setup failed)
+        self.ep: Epoch | None = None
+        self.completed = 0  # collectives of the group completed (DSec's own included)
+        self.seq = Sequence()  # the script's collectives, for admission points
+        self.shadow_period: int | None = None  # a replacement's gradients count once it has run this many
+        self.seniority: dict[int, int] = {}  # logical rank -> epoch it joined (oldest wins ties)
+        self._last: tuple[int, list[torch.Tensor]] | None = None  # (index, result) of the last completed op
+        self._lock = threading.Lock()
+        self._inflight: _Pending | None = None
+        self._broken_epoch: int | None = None  # the epoch the control plane or a failed op says is broken
+        self.join_known = False  # the watch says a replacement waits
+        self.admit_at: int | None = None  # agreed admission point (the group's script-collective index)
+        self.version = 0
+        self._queue: list[_Pending] = []
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self.graveyard: list[Any] = []  # abandoned process groups (never destroyed: a stuck op would block it)
+        self.heals: list[dict[str, Any]] = []  # timings of each reconfiguration (for reports and tests)
+        self._heal_thread = threading.Thread(target=self._heal_loop, name="dsec-heal", daemon=True)
+        self._watch_thread = threading.Thread(target=self._watch_loop, name="dsec-heal-watch", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Original members: join the first epoch (blocks until every rank has joined). A replacement joins at its
+        first collective instead (admission)."""
+        if not self.replacement:
+            t0 = time.monotonic()
+            plan = self._seen_plan = self.client.join(self.address, 0, 0)
+            self._adopt(plan, None)
+            self._event("formed", {"epoch": plan.epoch, "members": list(plan.members), "s": time.monotonic() - t0})
+            self._watch_thread.start()
+        self._heal_thread.start()
+
+    def close(self, leave: bool = True) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake.notify_all()
+        if leave and self.ep is not None:
+            try:
+                self.client.leave()
+            except Exception:
+                log.debug("dsec: leaving the healing group failed", exc_info=True)
+        self.client.close()
+        for t in (self._heal_thread, self._watch_thread):
+            if t.is_alive():
+                t.join(5.0)
+
+    def _event(self, what: str, data: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(what, data)
+            except Exception:
+                log.exception("dsec: heal event sink failed")
+
+    # -- submitting ops (training thread) -----------------------------------------------------------------------
+    def submit(self, op: Op) -> Any:
+        """Run ``op`` in the group; returns a torch Future completed with ``op.finish()``."""
+        import torch
+
+        p = _Pending(op, torch.futures.Future())
+        with self._lock:
+            if self._closed:
+                p.fut.set_exception(RuntimeError("dsec: the healing group is closed"))
+                return p.fut
+            admit = self.admit_at is not None and op.sig is not None and self.seq.position >= self.admit_at
+            if self.ep is None or admit or self._broken_epoch is not None:
+                p.admit = admit and self.ep is not None and self._broken_epoch is None
+                p.state = _State.HANDED
+                self._queue.append(p)
+                self._wake.notify_all()
+                return p.fut
+            work = self._issue_locked(p)
+        self._watch_work(p, work)
+        return p.fut
+
+    def run(self, op: Op) -> Any:
+        """Submit and wait (the script's synchronous collectives)."""
+        return self.submit(op).wait()
+
+    def _issue_locked(self, p: _Pending) -> Any:
+        """Issue ``p`` on the current epoch's group (caller holds the lock); returns its Work, or None when it
+        failed at once (then it is handed to the heal thread). Attach :meth:`_watch_work` after releasing the lock:
+        a work that is already complete runs its callback inline."""
+        ep = self.ep
+        assert ep is not None
+        p.epoch, p.state = ep.epoch, _State.PENDING
+        self._inflight = p
+        try:
+            return p.op.issue(self._epoch_view())
+        except Exception as exc:  # a closed pair raises at issue time
+            self._hand_locked(p, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _watch_work(self, p: _Pending, work: Any) -> None:
+        if work is not None:
+            work.get_future().then(lambda f: self._on_done(p, f))
+
+    def _epoch_view(self) -> Epoch:
+        ep = self.ep
+        assert ep is not None
+        shadow = self.shadow_period is not None and self.seq.count < self.shadow_period
+        return Epoch(ep.epoch, ep.pg, ep.members, ep.rank, ep.world, ep.source, shadow)
+
+    def _on_done(self, p: _Pending, f: Any) -> None:
+        try:
+            f.value()
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        with self._lock:
+            if p.state is not _State.PENDING or p.epoch != (self.ep.epoch if self.ep else -1):
+                return  # already handed to the heal thread (aborted): this late answer is void
+            if error is not None:
+                self._hand_locked(p, error)
+                return
+            p.state = _State.DONE
+            self._inflight = None
+        self._complete(p)
+
+    def _hand_locked(self, p: _Pending, why: str) -> None:
+        p.state, p.error = _State.HANDED, why
+        if self._inflight is p:
+            self._inflight = None
+        if self._broken_epoch is None and self.ep is not None:
+            self._broken_epoch = self.ep.epoch
+        self._queue.append(p)
+        self._wake.notify_all()
+
+    def _complete(self, p: _Pending) -> None:
+        try:
+            value = p.op.finish()
+        except Exception as exc:
+            p.fut.set_exception(exc)
+            return
+        with self._lock:
+            self._last = (self.completed, p.op.result())
+            self.completed += 1
+            if p.op.sig is not None:
+                self.seq.add(p.op.sig)
+        p.fut.set_result(value)
+
+    # -- watch thread -----------------------------------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        since = 0
+        while not self._closed:
+            try:
+                view = self.client.watch(since, timeout=10.0)
+            except (HealUnavailable, FencedOut):
+                return
+            except Exception:
+                log.debug("dsec: heal watch failed", exc_info=True)
+                time.sleep(0.2)
+                continue
+            since = int(view.get("version", since))
+            self.on_view(view)
+
+    def on_view(self, view: dict[str, Any]) -> None:
+        with self._lock:
+            ep = self.ep
+            if ep is None:
+                return
+            self.join_known = bool(view.get("joiners")) and view.get("epoch") == ep.epoch
+            broken = view.get("phase") == "broken" or int(view.get("epoch", 0)) > ep.epoch
+            if broken and self._broken_epoch is None:
+                self._broken_epoch = ep.epoch
+                p = self._inflight
+                if p is not None and p.state is _State.PENDING:
+                    self._hand_locked(p, "the control plane reports the epoch broken")
+
+    # -- heal thread ----------------------------------------------------------------------------------------------
+    def _heal_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._queue:
+                    return
+                p = self._queue.pop(0)
+            try:
+                self._heal(p)
+            except FencedOut as exc:
+                self._event("fenced", {"why": str(exc)})
+                p.fut.set_exception(RuntimeError(f"dsec: this process was fenced out of its group: {exc}"))
+            except HealUnavailable as exc:
+                self._event("unavailable", {"why": str(exc)})
+                p.fut.set_exception(RuntimeError(f"dsec: cannot heal, the control plane is unreachable: {exc}"))
+            except Exception as exc:
+                log.exception("dsec: healing failed")
+                p.fut.set_exception(RuntimeError(f"dsec: healing failed: {type(exc).__name__}: {exc}"))
+
+    def _heal(self, p: _Pending) -> None:
+        t0 = time.monotonic()
+        failed_epoch = self._broken_epoch
+        if failed_epoch is not None and not self.replacement_pending():
+            try:
+                self.client.fail(failed_epoch, p.error or "collective interrupted")
+            except HealUnavailable:
+                raise
+            except Exception:
+                log.debug("dsec: reporting the failure failed", exc_info=True)
+        while True:
+            plan = self._next_plan(p)
+            if plan is None:  # an admission that found nobody to admit: go on in the same epoch
+                with self._lock:
+                    self.admit_at = None
+                    work = self._issue_locked(p)
+                self._watch_work(p, work)
+                return
+            try:
+                received = self._adopt(plan, p)
+                break
+            except (RuntimeError, TransferError) as exc:
+                log.warning("dsec: epoch %d could not be set up (%s); reporting it broken", plan.epoch, exc)
+                self.client.fail(plan.epoch, f"setting up epoch {plan.epoch} failed: {exc}")
+        heal = {
+            "epoch": plan.epoch,
+            "reason": plan.reason,
+            "members": list(plan.members),
+            "joiners": list(plan.joiners),
+            "dead": list(plan.dead),
+            "source": plan.source,
+            "behind": self.rank in plan.behind,
+            "heal_s": round(time.monotonic() - t0, 4),
+            "since_submit_s": round(time.monotonic() - p.submitted, 4),
+        }
+        self.heals.append(heal)
+        self._event("healed", heal)
+        if received is not None:
+            p.op.accept(received)
+            with self._lock:
+                self._inflight = None
+            self._complete(p)
+            return
+        with self._lock:
+            work = self._issue_locked(p)
+        self._watch_work(p, work)
+
+    def replacement_pending(self) -> bool:
+        return self.replacement and self.plan is None
+
+    def _next_plan(self, p: _Pending) -> Plan | None:
+        seen = self._seen_plan
+        if seen is None:  # a replacement at its first collective
+            plan = self.client.join(self.address, 0, 0, replacement=True)
+        elif p.admit and seen is self.plan:
+            out = self.client.admit(seen.epoch, self.completed)
+            if out["status"] == "void":
+                return None
+            if out["status"] == "formed":
+                plan = out["plan"]
+            else:  # broken meanwhile: join the next epoch instead
+                plan = self.client.join(self.address, self.completed, seen.epoch, view=seen.members)
+        else:
+            # The newest epoch this member was told of, even one it failed to set up: the control plane counts it
+            # as a member there.
+            plan = self.client.join(self.address, self.completed, seen.epoch, view=seen.members)
+        self._seen_plan = plan
+        return plan
+
+    def _store(self, address: str) -> Any:
+        store = self._stores.get(address)
+        if store is None:
+            host, _, port = address.rpartition(":")
+            store = self._dist.TCPStore(host, int(port), None, False, timeout=self.timeout)
+            self._stores[address] = store
+        return store
+
+    def _adopt(self, plan: Plan, p: _Pending | None) -> list[torch.Tensor] | None:
+        """Build the plan's process group and do its transfers. Returns the interrupted op's result when this
+        member was one behind (it received it from the source)."""
+        dist = self._dist
+        members = plan.members
+        if self.rank not in members:
+            raise FencedOut(f"rank {self.rank} is not a member of epoch {plan.epoch}")
+        prefix = f"dsec/{self.client.me.run}/e{plan.epoch}"
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, self._store(plan.store)), members.index(self.rank), len(members), self.timeout
+        )
+        received: list[torch.Tensor] | None = None
+        src = members.index(plan.source)
+        if self.rank == plan.source:
+            if plan.behind:
+                assert self._last is not None and self._last[0] == plan.completed - 1
+                for r in plan.behind:
+                    for t in self._last[1]:
+                        pg.send([t.contiguous()], members.index(r), TAG_RESULT).wait()
+            if plan.joiners and self._capture_state is not None:
+                state = self._capture_state()
+                state.meta["counters"].update(self._counters(plan))
+                send_state(state, pg, [members.index(r) for r in plan.joiners])
+        elif self.rank in plan.behind and p is not None:
+            received = [t.clone() for t in p.op.result()]
+            for t in received:
+                pg.recv([t], src, TAG_RESULT).wait()
+        elif self.rank in plan.joiners:
+            state = recv_state(pg, src)
+            counters = state.meta["counters"]
+            self.seq = Sequence.inherit(list(counters["pattern"]), base=int(counters["position"]))
+            self.seniority = {int(k): int(v) for k, v in counters["seniority"].items()}
+            self.shadow_period = self.seq.period
+            if self._receive_state is not None:
+                self._receive_state(state, plan)
+        with self._lock:
+            old = self.ep.pg if self.ep is not None else None
+            if old is not None:
+                self.graveyard.append(old)
+            self.plan = plan
+            self.ep = Epoch(plan.epoch, pg, members, self.rank, self.world, plan.source)
+            self.completed = plan.completed if received is None else plan.completed - 1
+            if self.rank in plan.joiners or plan.reason == "start":
+                self.seniority.setdefault(self.rank, plan.epoch)
+            for r in members:
+                self.seniority.setdefault(r, plan.epoch)
+            self._broken_epoch = None
+            self.join_known = False
+            self.admit_at = None
+            self.version += 1
+        if self.rank in plan.joiners and not self._watch_thread.is_alive():
+            self._watch_thread.start()
+        return received
+
+    def _counters(self, plan: Plan) -> dict[str, Any]:
+        return {
+            "completed": plan.completed,
+            "position": self.seq.position,
+            "pattern": self.seq.pattern(),
+            "seniority": {str(r): e for r, e in self.seniority.items()},
+        }
+
+    # -- header support (sync_header.py / heal mode of the comm hook) -------------------------------------------
+    def next_admission(self) -> int | None:
+        """The group index of the script collective this member proposes to admit a waiting replacement before (the
+        next period start after the collective it is about to run), or None."""
+        if not self.join_known:
+            return None
+        k = self.seq.next_admission(self.seq.count + 1)
+        return None if k is None else self.seq.base + k
+
+    def arm_admission(self, at: int) -> None:
+        """Every member knew of a waiting replacement and proposed the same point: admit before script collective
+        ``at`` (the group's index)."""
+        with self._lock:
+            if at > self.seq.position:
+                self.admit_at = at
+
+    def reference_rank(self, candidates: list[int]) -> int:
+        """The oldest member among ``candidates`` (ties: the lowest rank): whose settings the group keeps."""
+        return min(candidates, key=lambda r: (self.seniority.get(r, 1 << 30), r))

@@ -1,0 +1,260 @@
+"""Healing in place with real processes: a DDP job (gloo on 127.0.0.1) under the supervisor and the local launcher,
+against a real control plane. A rank is SIGKILLed: the survivors keep their processes and their step counters, the
+group re-forms without it within a fraction of a second, a replacement is admitted at the next start of the
+script's loop with the live state from a peer, and at the end every rank holds bit-identical parameters. Also: two
+deaths at once, a death while a replacement waits, the control plane restarted during healing, a frozen rank
+fenced out, and a script whose collectives never repeat falling back to a restart from the agreed snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Harness, make_settings
+from dsec.launch.jobfile import JobFile
+from dsec.launch.local import LocalLauncher
+from dsec.launch.supervisor import Recovery, Supervisor
+
+pytest.importorskip("torch")
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "heal_train.py"
+
+
+def job_file(tmp_path: Path, world: int = 3, extra: tuple[str, ...] = (), **restart: Any) -> JobFile:
+    return JobFile.model_validate(
+        {
+            "job": "heal",
+            "pool": "pool-a",
+            "snapshots": {"dir": str(tmp_path / "snaps"), "interval_s": 1},
+            "restart": {"max_restarts": 4, "resume_timeout_s": 60, "admit_timeout_s": 60, **restart},
+            "groups": [
+                {
+                    "name": "trainers",
+                    "world_size": world,
+                    "memory_gb": 1,
+                    "heal": True,
+                    "env": {"DSEC_HEARTBEAT_INTERVAL": "0.5", "OMP_NUM_THREADS": "1", "DSEC_HEAL_TIMEOUT_S": "20"},
+                    "command": [
+                        sys.executable, str(FIXTURE), "--stop-file", str(tmp_path / "stop"),
+                        "--out", str(tmp_path / "out.json"), *extra,
+                    ],
+                }
+            ],
+        }
+    )  # fmt: skip
+
+
+def with_devices(h: Harness) -> Harness:
+    for i in range(6):
+        h.admin.request("PUT", f"/v1/devices/gpu-{i}", json={"id": f"gpu-{i}", "node": "node-0", "memory_gb": 16})
+    h.admin.put_pool("pool-a", devices=[f"gpu-{i}" for i in range(6)])
+    return h
+
+
+@pytest.fixture
+def cp(server_factory: Callable[..., Harness], tmp_path: Path) -> Harness:
+    return with_devices(server_factory(settings=make_settings(tmp_path / "home", heal_join_timeout_s=2.0), pools=True))
+
+
+@pytest.fixture
+def supervised(cp: Harness, tmp_path: Path) -> Iterator[Callable[..., tuple[Supervisor, LocalLauncher]]]:
+    made: list[Supervisor] = []
+
+    def make(job: JobFile, recoveries: list[Recovery]) -> tuple[Supervisor, LocalLauncher]:
+        launcher = LocalLauncher(log_dir=tmp_path / "logs")
+        sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                         poll_s=0.02, on_recovery=recoveries.append)  # fmt: skip
+        made.append(sup)
+        return sup, launcher
+
+    yield make
+    for sup in made:
+        sup.stop()
+
+
+def supervise_until(sup: Supervisor, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        sup.step()
+        time.sleep(0.02)
+
+
+def step_lines(tmp_path: Path, worker: str) -> list[dict[str, Any]]:
+    path = tmp_path / "logs" / f"{worker}.log"
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.startswith('{"rank"')]
+
+
+def steps_of(tmp_path: Path, worker: str) -> list[dict[str, Any]]:
+    return [ln for ln in step_lines(tmp_path, worker) if "step" in ln and "t" in ln]
+
+
+def finish(sup: Supervisor, tmp_path: Path) -> dict[str, Any]:
+    (tmp_path / "stop").touch()
+    assert sup.run(timeout_s=90), sup.failed
+    return dict(json.loads((tmp_path / "out.json").read_text()))
+
+
+def test_a_killed_rank_is_replaced_while_its_peers_keep_training(
+    cp: Harness, supervised: Callable[..., Any], tmp_path: Path
+) -> None:
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job_file(tmp_path), recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    pids = launcher.pids("trainers")
+    t_kill = time.time()
+    os.kill(pids["trainers-1"], signal.SIGKILL)
+    (rec,) = supervise_until(sup, lambda: recoveries, 90, "the replacement's admission")
+    assert rec.mode == "heal" and rec.worker == "trainers-1" and rec.code == -signal.SIGKILL
+    timings = rec.timings()
+    assert timings["healthy_ranks_restarted"] == 0 and 0 <= timings["reconfigure_s"] < 5, timings
+    assert rec.resumed_at is not None and rec.resumed_at > rec.spawned_at
+    # The survivors are the same processes; their step counters never reset, and they kept stepping.
+    now = launcher.pids("trainers")
+    assert now["trainers-0"] == pids["trainers-0"] and now["trainers-2"] == pids["trainers-2"]
+    assert now["trainers-1"] != pids["trainers-1"]
+    for w in ("trainers-0", "trainers-2"):
+        counts = [ln["step"] for ln in steps_of(tmp_path, w)]
+        assert counts == list(range(1, len(counts) + 1)), f"{w}'s step counter restarted"
+        after = [ln["t"] for ln in steps_of(tmp_path, w) if ln["t"] > t_kill]
+        assert after and after[0] < rec.resumed_at, f"{w} waited for the replacement"
+    out = finish(sup, tmp_path)
+    assert out["max_param_diff"] == 0.0, out
+    (ev,) = cp.admin.all_events(types=["recovery"])
+    assert ev["data"]["mode"] == "heal" and ev["data"]["devices"] == {"trainers-1": rec.devices["trainers-1"]}
+    heals = [e["data"] for e in cp.admin.all_events(types=["heal"]) if e["data"]["what"] == "formed"]
+    assert [h["reason"] for h in heals] == ["start", "failure", "admission"], heals
+    assert heals[1]["members"] == [0, 2] and heals[2]["joiners"] == [1]
+    # Replicas are compared right after every heal: the checks ran and found no drift.
+    ranks = {w["rank"]: w for w in cp.admin.workers(pool="pool-a") if w["state"] != "lost"}
+    assert all(w["metrics"].get("replica_drift_total", 0) == 0 for w in ranks.values())
+    assert not [e for e in cp.admin.all_events(types=["anomaly"]) if e["data"].get("kind") == "replica_drift"]
+
+
+def test_two_deaths_at_once_and_settings_kept_in_the_scripts_own_variables(
+    cp: Harness, supervised: Callable[..., Any], tmp_path: Path
+) -> None:
+    # --lr-from-step: each rank computes its learning rate from its own update counter, so a replacement would
+    # apply a different one; the group keeps its oldest member's settings (and says so).
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job_file(tmp_path, extra=("--lr-from-step",)), recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    pids = launcher.pids("trainers")
+    os.kill(pids["trainers-1"], signal.SIGKILL)
+    os.kill(pids["trainers-2"], signal.SIGKILL)
+    supervise_until(sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission")
+    assert launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
+    out = finish(sup, tmp_path)
+    assert out["max_param_diff"] == 0.0, out
+    aligned = [e["data"] for e in cp.admin.all_events(types=["anomaly"]) if e["data"].get("aligned_to") is not None]
+    assert aligned and all(d["keys"] == ["lr"] for d in aligned), aligned
+
+
+def test_a_death_while_a_replacement_waits(cp: Harness, supervised: Callable[..., Any], tmp_path: Path) -> None:
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job_file(tmp_path), recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    pids = launcher.pids("trainers")
+    os.kill(pids["trainers-1"], signal.SIGKILL)
+    supervise_until(sup, lambda: "trainers-1" in sup._healing, 30, "the first replacement to start")
+    os.kill(pids["trainers-2"], signal.SIGKILL)  # a second death before the first replacement is in
+    supervise_until(sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission")
+    assert {r.worker for r in recoveries} == {"trainers-1", "trainers-2"}
+    assert launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
+    assert finish(sup, tmp_path)["max_param_diff"] == 0.0
+
+
+def test_the_control_plane_restarted_during_healing(server_factory: Callable[..., Harness], tmp_path: Path) -> None:
+    from dsec.client import Client
+
+    settings = make_settings(tmp_path / "home", heal_join_timeout_s=2.0)
+    first = with_devices(server_factory(settings=settings, pools=True))
+    job = job_file(tmp_path)
+    recoveries: list[Recovery] = []
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    with Client(first.url, token=first.admin_token) as admin:
+        sup = Supervisor(job, launcher, client=admin, endpoint=first.url, pool_token=first.pool_tokens["pool-a"],
+                         poll_s=0.02, on_recovery=recoveries.append)  # fmt: skip
+        try:
+            sup.start()
+            supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps")
+            pids = launcher.pids("trainers")
+            port = first.port
+            first.close()  # the control plane goes away ...
+            os.kill(pids["trainers-1"], signal.SIGKILL)  # ... and a rank dies while it is away
+            t0 = time.time()
+            supervise_until(sup, lambda: "trainers-1" in sup._healing, 30, "the replacement to start")
+            while time.time() - t0 < 1.5:
+                sup.step()
+                time.sleep(0.05)
+            server_factory(settings=settings, port=port)  # back, on the same database
+            (rec,) = supervise_until(sup, lambda: recoveries, 120, "the replacement's admission")
+            assert rec.mode == "heal" and launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
+            assert finish(sup, tmp_path)["max_param_diff"] == 0.0
+            epochs = [e["data"]["epoch"] for e in admin.all_events(types=["heal"]) if e["data"]["what"] == "formed"]
+            assert epochs == sorted(set(epochs)), "epoch numbers never repeat across the restart"
+        finally:
+            sup.stop()
+
+
+def test_a_frozen_rank_is_fenced_out_and_replaced(cp: Harness, supervised: Callable[..., Any], tmp_path: Path) -> None:
+    job = job_file(tmp_path)
+    job.groups[0].env["DSEC_HEAL_TIMEOUT_S"] = "3"  # collectives give up on a silent peer after 3 s
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job, recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    pids = launcher.pids("trainers")
+    os.kill(pids["trainers-1"], signal.SIGSTOP)  # alive, silent: no exit for the supervisor to see
+    try:
+        formed = supervise_until(
+            sup,
+            lambda: [e for e in cp.admin.all_events(types=["heal"]) if e["data"].get("reason") == "failure"],
+            60,
+            "the survivors' epoch without the frozen rank",
+        )
+        assert formed[0]["data"]["members"] == [0, 2]
+    finally:
+        os.kill(pids["trainers-1"], signal.SIGCONT)
+    # Back from its freeze, it cannot rejoin the old epoch: fenced, it exits, and is replaced.
+    (rec,) = supervise_until(sup, lambda: recoveries, 120, "the frozen rank's replacement")
+    assert rec.worker == "trainers-1" and rec.code not in (0, None)
+    fenced = [e["data"] for e in cp.admin.all_events(types=["heal"]) if e["data"]["what"] == "fenced"]
+    assert fenced and fenced[0]["rank"] == 1
+    assert launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
+    assert finish(sup, tmp_path)["max_param_diff"] == 0.0
+
+
+def test_without_a_repeating_loop_the_group_falls_back_to_its_agreed_snapshots(
+    cp: Harness, supervised: Callable[..., Any], tmp_path: Path
+) -> None:
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job_file(tmp_path, extra=("--aperiodic",), admit_timeout_s=6), recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    t0 = time.time()
+    supervise_until(sup, lambda: [e for e in cp.admin.all_events(types=["snapshot"], since=t0)
+                                  if e["data"].get("status") == "ok"], 60, "a group snapshot")  # fmt: skip
+    os.kill(launcher.pids("trainers")["trainers-1"], signal.SIGKILL)
+    (rec,) = supervise_until(sup, lambda: recoveries, 120, "the fallback restart")
+    assert rec.mode == "restart" and rec.reason == "heal-timeout"
+    restores = [e["data"] for e in cp.admin.all_events(types=["restore"]) if e["data"]["status"] == "ok"]
+    assert len(restores) == 3 and len({d["agreed_step"] for d in restores}) == 1, restores
+    assert finish(sup, tmp_path)["max_param_diff"] == 0.0
