@@ -278,6 +278,15 @@ def run(
     restore: Annotated[
         str | None, typer.Option(help="Restore each worker from its snapshot before training resumes: latest or N.")
     ] = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=1024, help="Run N ranks of COMMAND (RANK/WORLD_SIZE/MASTER_* set) under DSec's supervisor."
+        ),
+    ] = None,
+    heal: Annotated[
+        bool, typer.Option(help="With --nproc-per-node: replace a dead rank in place; its peers keep training.")
+    ] = False,
 ) -> None:
     """Run COMMAND with the DSec probe injected into every Python process it starts: dsec run -- python train.py"""
     from dsec.probe.chaos import ChaosError
@@ -316,9 +325,17 @@ def run(
         raise fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
     if env.get("DSEC_RESTORE") and not env.get("DSEC_SNAPSHOT_DIR"):
         raise fail(ValueError("--restore needs --snapshot-dir (or DSEC_SNAPSHOT_DIR): where are the snapshots?"), 2)
+    if heal and nproc_per_node is None:
+        raise fail(ValueError("--heal needs --nproc-per-node: DSec must launch the ranks to replace one"), 2)
     if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
+        if heal or nproc_per_node is not None:
+            raise fail(ValueError("--nproc-per-node/--heal need a control plane: --endpoint and --sandbox-id"), 2)
         err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
     try:
+        if nproc_per_node is not None:
+            from dsec.launch.runner import run_group
+
+            sys.exit(run_group(command, env, nproc_per_node, heal))
         sys.exit(run_command(command, env))
     except FileNotFoundError as exc:
         raise fail(exc, 127) from None

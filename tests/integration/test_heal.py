@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Harness, make_settings
+from conftest import Harness, make_settings, wait_for
 from dsec.launch.jobfile import JobFile
 from dsec.launch.local import LocalLauncher
 from dsec.launch.supervisor import Recovery, Supervisor
@@ -258,3 +258,39 @@ def test_without_a_repeating_loop_the_group_falls_back_to_its_agreed_snapshots(
     restores = [e["data"] for e in cp.admin.all_events(types=["restore"]) if e["data"]["status"] == "ok"]
     assert len(restores) == 3 and len({d["agreed_step"] for d in restores}) == 1, restores
     assert finish(sup, tmp_path)["max_param_diff"] == 0.0
+
+
+def test_dsec_run_heal_zero_touch(cp: Harness, tmp_path: Path) -> None:
+    """`dsec run --heal --nproc-per-node 3 -- python script.py`: the same healing without a job file."""
+    import subprocess
+
+    dsec = Path(sys.executable).with_name("dsec")
+    cmd = [
+        str(dsec), "run", "--endpoint", cp.url, "--sandbox-id", "pool-a", "--token", cp.pool_tokens["pool-a"],
+        "--role", "learner", "--nproc-per-node", "3", "--heal", "--",
+        sys.executable, str(FIXTURE), "--stop-file", str(tmp_path / "stop"), "--out", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    env = {**os.environ, "DSEC_HEARTBEAT_INTERVAL": "0.3", "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "run.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+
+        def rank1() -> dict[str, Any] | None:
+            ws = [w for w in cp.admin.workers(pool="pool-a") if w["rank"] == 1 and w["metrics"].get("updates_total")]
+            return ws[0] if ws and ws[0]["metrics"]["updates_total"] >= 100 else None
+
+        victim = wait_for(rank1, timeout=120, what="rank 1 training")
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        wait_for(
+            lambda: [e for e in cp.admin.all_events(types=["heal"]) if e["data"].get("reason") == "admission"],
+            timeout=120,
+            what="the replacement's admission",
+        )
+        (tmp_path / "stop").touch()
+        assert proc.wait(timeout=90) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert json.loads((tmp_path / "out.json").read_text())["max_param_diff"] == 0.0
+    assert "heal of default-1" in (tmp_path / "run.log").read_text()

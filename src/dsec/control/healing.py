@@ -312,9 +312,14 @@ class HealRegistry:
         }
 
 
-def heal_routes(registry: Callable[[Request], HealRegistry], tokens: Callable[[Request, str | None], Any]) -> APIRouter:
-    """``tokens(request, token)`` -> (pool of the token or None, is admin)."""
+def heal_routes(registry: Callable[[Request], HealRegistry], lookup: Callable[[Request, str | None], Any]) -> APIRouter:
+    """``lookup(request, token)`` -> (pool of the token or None, is admin)."""
     r = APIRouter(prefix="/v1/heal", tags=["healing"])
+
+    def tokens(request: Request, token: str | None) -> Any:
+        if token is None:
+            raise errors.unauthorized()
+        return lookup(request, token)
 
     @r.post("/{run}/join")
     async def join(run: Run, body: JoinBody, request: Request, authorization: Auth = None) -> Response:

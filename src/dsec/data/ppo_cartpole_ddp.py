@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vf-coef", type=float, default=0.5)
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--log-every", type=int, default=10, help="updates between progress lines (0 = none)")
+    p.add_argument("--stop-file", default=None, help="stop (on every rank at the same update) once this file exists")
     args = p.parse_args(argv)
     if args.short:
         args.total_steps = min(args.total_steps, 20_000)
@@ -273,7 +274,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
 
         # ---- pooled stats and a stop decision every rank agrees on ---------------------------
         elapsed = time.perf_counter() - t_start
-        stats = torch.tensor([sum(recent), float(len(recent)), elapsed, float(episodes)], dtype=torch.float64)
+        stop_asked = 1.0 if args.stop_file and os.path.exists(args.stop_file) else 0.0
+        stats = torch.tensor(
+            [sum(recent), float(len(recent)), elapsed, float(episodes), stop_asked], dtype=torch.float64
+        )
         dist.all_reduce(stats)
         count = int(stats[1])
         avg_return = float(stats[0] / count) if count else float("nan")
@@ -285,10 +289,15 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
                 f"avg_return {avg_return:6.1f}  lr {lr:.2e}  clipfrac {clipfrac:.3f}  "
                 f"v_loss {float(v_loss.detach()):8.3f}  t {stats[2] / world_size:6.1f}s",
             )
-        if reached or env_steps >= args.total_steps or float(stats[2]) / world_size >= args.max_seconds:
+        if reached or env_steps >= args.total_steps or float(stats[2]) / world_size >= args.max_seconds or stats[4] > 0:
             break
 
     envs.close()
+    # Replicas must hold identical weights (DDP's contract): measure it across ranks.
+    flat = torch.cat([q.detach().reshape(-1) for q in agent.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    replica_diff = max(float((g - gathered[0]).abs().max()) for g in gathered)
     seconds = time.perf_counter() - t_start
     result = {
         "reached": bool(reached),
@@ -297,6 +306,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
         "updates": updates,
         "seconds": round(seconds, 2),
         "world_size": world_size,
+        "replica_max_abs_diff": replica_diff,
     }
     del ddp_model
     dist.barrier()

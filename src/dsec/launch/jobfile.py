@@ -37,6 +37,7 @@ class _Strict(BaseModel):
 
 
 class SnapshotSettings(_Strict):
+    enabled: bool = True
     dir: Path = Path(".dsec/snapshots")
     interval_s: float | None = Field(None, ge=1, le=86400)
 

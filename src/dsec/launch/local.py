@@ -63,9 +63,11 @@ class LocalLauncher:
         warm: bool = False,
         warm_modules: tuple[str, ...] = WARM_MODULES,
         refill_after_s: float = 5.0,
+        inherit_output: bool = False,  # no log_dir: workers write to this process's stdout/stderr (else nowhere)
     ) -> None:
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.inherit_output = inherit_output
         self.warm = warm
         self.warm_modules = warm_modules
         self._procs: dict[str, _Proc] = {}
@@ -105,8 +107,8 @@ class LocalLauncher:
                 popen = subprocess.Popen(
                     list(w.command),
                     env=env,
-                    stdout=log if log is not None else subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT,
+                    stdout=log if log is not None else None if self.inherit_output else subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT if log is not None or not self.inherit_output else None,
                     start_new_session=True,
                     preexec_fn=(lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus else None,
                 )

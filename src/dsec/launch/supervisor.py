@@ -134,10 +134,14 @@ class Supervisor:
         poll_s: float = 0.05,
         device_check_s: float = 1.0,
         on_recovery: Callable[[Recovery], None] | None = None,
+        heal_client: Any = None,  # for the healing routes, when ``client`` is None (a pool token suffices)
+        assign_devices: bool = True,  # False: no device per worker (dsec run: CUDA_VISIBLE_DEVICES left alone)
     ) -> None:
+        self.assign_devices = assign_devices
         self.job = job
         self.launcher = launcher
         self.client = client
+        self.heal_client = heal_client if heal_client is not None else client
         self.endpoint = endpoint
         self.pool_token = pool_token
         self.poll_s = poll_s
@@ -193,15 +197,17 @@ class Supervisor:
                 "MASTER_PORT": port,
                 "DSEC_ROLE": g.role,
                 "DSEC_GROUP": g.name,
-                "DSEC_SNAPSHOT_DIR": str(self.job.snapshots.dir),
                 "DSEC_SANDBOX_ID": self.job.pool,
-                "DSEC_DEVICE": str(a["device"]),  # device health judges the devices workers report
             }
+            if self.job.snapshots.enabled:
+                env["DSEC_SNAPSHOT_DIR"] = str(self.job.snapshots.dir)
+            if self.assign_devices:
+                env["DSEC_DEVICE"] = str(a["device"])  # device health judges the devices workers report
             if self.endpoint:
                 env["DSEC_ENDPOINT"] = self.endpoint
             if self.pool_token:
                 env["DSEC_TOKEN"] = self.pool_token
-            if self.job.snapshots.interval_s is not None:
+            if self.job.snapshots.enabled and self.job.snapshots.interval_s is not None:
                 env["DSEC_SNAPSHOT_INTERVAL_S"] = str(self.job.snapshots.interval_s)
             if restore:
                 env["DSEC_RESTORE"] = "latest"
@@ -209,12 +215,13 @@ class Supervisor:
                 env["DSEC_HEAL_RUN"] = self.runs[group]
                 if replacement:
                     env["DSEC_HEAL_REPLACEMENT"] = "1"
-            device = str(a["device"])
-            index = device.rsplit("gpu", 1)[-1]
+            device = str(a["device"]) if self.assign_devices else None
+            index = device.rsplit("gpu", 1)[-1] if device else ""
             out.append(
                 WorkerLaunch(
                     worker=name, group=g.name, role=g.role, rank=rank, world_size=g.world_size,
-                    command=tuple(g.command), env=env, device=device, node=a["node"], cpus=tuple(a["cpus"]),
+                    command=tuple(g.command), env=env, device=device, node=a["node"],
+                    cpus=tuple(a["cpus"]) if self.assign_devices else (),
                     gpu_index=int(index) if index.isdigit() else None,
                 )
             )  # fmt: skip
@@ -286,12 +293,12 @@ class Supervisor:
 
     # -- healing ----------------------------------------------------------------------------------------------
     def _heal_request(self, group: str, method: str, path: str, body: Any = None) -> Any:
-        assert self.client is not None
-        return self.client.request(method, f"/v1/heal/{self.runs[group]}{path}", json=body)
+        assert self.heal_client is not None
+        return self.heal_client.request(method, f"/v1/heal/{self.runs[group]}{path}", json=body)
 
     def _heal(self, e: Exit, detect_s: float) -> bool:
         """Replace the dead rank in place (its peers keep training). False: the group must restart instead."""
-        if self.client is None:
+        if self.heal_client is None:
             return False
         rank = int(e.worker.rsplit("-", 1)[1])
         rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="heal", run=self.runs[e.group])

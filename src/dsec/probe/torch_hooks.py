@@ -94,7 +94,14 @@ class TorchInstrumentation:
 
     # -- install / uninstall --------------------------------------------------------------------------
     def install(self, torch: ModuleType) -> None:
+        import os
+
         import torch.distributed as dist
+
+        trace_dir = os.environ.get("DSEC_STEP_TRACE")
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            self._trace = open(os.path.join(trace_dir, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
         self.originals = _Originals(dist)
         if dist.is_available():
@@ -135,6 +142,9 @@ class TorchInstrumentation:
         self._patch(nn_utils, "clip_grad_norm_", self._wrap_clip(nn_utils.clip_grad_norm_))
 
     def uninstall(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
         for owner, name, original in reversed(self._restore):
             setattr(owner, name, original)
         self._restore.clear()
@@ -387,6 +397,8 @@ class TorchInstrumentation:
             norm = _grad_norm(opt)
         self._clip_norm = None
         self.probe.telemetry.record_update(time.perf_counter() - start, norm)
+        if self._trace is not None:
+            self._trace_step()
         self.probe.replicas.after_step()
         self._snapshots("after_step", self._group_snapshot_agreed())
 
@@ -411,6 +423,15 @@ class TorchInstrumentation:
             return None
 
     _clip_norm: float | None = None
+    _trace: Any = None
+    _traced = 0
+
+    def _trace_step(self) -> None:
+        """DSEC_STEP_TRACE=DIR: one JSON line per optimizer step in DIR/steps-<pid>.jsonl (benchmarks time pauses)."""
+        self._traced += 1
+        snaps = self.probe.snapshots
+        step = snaps.steps + 1 if snaps is not None else self._traced  # the run's step, continued across restores
+        self._trace.write(f'{{"t": {time.time():.6f}, "rank": {self.probe.rank}, "step": {step}}}\n')
 
     def _wrap_clip(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         inst = self
