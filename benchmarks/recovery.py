@@ -1,14 +1,25 @@
-"""Kill-and-recover: a 4-rank CPU PPO job under `dsec launch`'s supervisor, one rank SIGKILLed, repeatedly.
+"""Kill -9 one rank of a 4-rank PPO job, repeatedly: healing in place vs the whole-group restart vs TorchFT.
 
-An embedded control plane (uvicorn on loopback, SQLite) with a pool of 4 simulated devices; the PPO example with 4
-DDP ranks (gloo) launched by the local launcher with snapshots every 2 s. Each round waits until every rank has a
-snapshot, SIGKILLs one rank, and times the recovery the supervisor reports (see dsec/launch/supervisor.py):
-detect (kill -> exit noticed), restart (spawn -> restores begin: interpreter, imports, process group, model;
-with warm standbys, the default, only the last two),
-restore (slowest rank), total (kill -> every rank restored, i.e. training resumed). Last stdout line: JSON with
-the medians.
+Modes, each on the same job (examples/ppo_cartpole_ddp.py: DDP over gloo on 127.0.0.1, CPU), measured in one run:
 
-    python benchmarks/recovery.py [--runs 3] [--ranks 4]
+- ``heal``: `dsec launch`'s supervisor with ``heal: true`` (local launcher, warm standbys); the survivors keep
+  their processes, a replacement is admitted at the next PPO update with the live state from a peer;
+- ``restart``: the same supervisor without healing: the whole group is killed and restarted from its newest
+  agreed snapshots (every 2 s) — the previous recovery path;
+- ``torchft``: the same PPO loop on TorchFT (benchmarks/torchft_ppo.py): one replica group per rank, Lighthouse
+  quorum, the killed replica restarted by the harness and healed from a peer.
+
+Per kill, from each process's step trace (``DSEC_STEP_TRACE``: one line per optimizer step, wall clock):
+``survivor_pause_s`` — kill -> a surviving rank's next completed step (p50 and max over survivors and kills);
+``replacement_rejoin_s`` — kill -> the killed rank's replacement completes its first step; ``healthy_ranks_restarted``
+— surviving ranks whose process changed; ``steps_lost`` — optimizer steps the survivors redo or drop (their step
+counter goes back after a restore); ``detect_s`` — kill -> the supervisor noticed the exit; ``total_s`` — kill ->
+recovery complete as the supervisor records it. ``replica_max_abs_diff``: the largest parameter difference across
+ranks, all-gathered by the PPO script itself at the end of the mode's run (after every kill and recovery); DSec's
+drift check also compares fingerprints every 5 synchronized steps and right after each recovery
+(``drift_checks``/``drift_found``). Last stdout line: one JSON object.
+
+    python benchmarks/recovery.py [--runs 5] [--ranks 4] [--modes heal,restart,torchft]
 """
 
 from __future__ import annotations
@@ -33,99 +44,187 @@ from dsec.launch.local import LocalLauncher
 from dsec.launch.supervisor import Recovery, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
-ADMIN = "bench-admin"
+ADMIN = "dsa_bench-admin-token-0123456789abc"
 
 
-def wait_snapshots(c: Client, since: float, ranks: int, timeout: float = 120.0) -> None:
+def traces(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """pid -> its step lines (rank, step, t), oldest first."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for f in trace_dir.glob("steps-*.jsonl"):
+        lines = [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip().endswith("}")]
+        if lines:
+            out[int(f.stem.split("-")[1])] = lines
+    return out
+
+
+def per_kill(trace_dir: Path, t_kill: float, victim: int, ranks: int) -> dict[str, Any]:
+    by_pid = traces(trace_dir)
+    row: dict[str, Any] = {"pauses": [], "restarted": 0, "lost": 0}
+    for rank in range(ranks):
+        lines = [(pid, ln) for pid, ls in by_pid.items() for ln in ls if ln["rank"] == rank]
+        before = [x for x in lines if x[1]["t"] <= t_kill]
+        after = sorted((x for x in lines if x[1]["t"] > t_kill), key=lambda x: x[1]["t"])
+        if not after:
+            continue
+        first_pid, first = after[0]
+        if rank == victim:
+            row["replacement_rejoin_s"] = round(first["t"] - t_kill, 4)
+            continue
+        row["pauses"].append(round(first["t"] - t_kill, 4))
+        if before:
+            last_pid, last = max(before, key=lambda x: x[1]["t"])
+            row["restarted"] += int(first_pid != last_pid)
+            row["lost"] = max(row["lost"], int(last["step"]) + 1 - int(first["step"]))
+    return row
+
+
+def wait_steps(sup: Supervisor, trace_dir: Path, since: float, ranks: int, n: int, timeout: float = 300) -> None:
+    """Until every rank has completed ``n`` steps after ``since``."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        evs = [e for e in c.all_events(types=["snapshot"], since=since) if e["data"].get("status") == "ok"]
-        if len({e["worker_id"] for e in evs}) >= ranks:
+        counts = {r: 0 for r in range(ranks)}
+        for lines in traces(trace_dir).values():
+            for ln in lines:
+                if ln["t"] > since:
+                    counts[ln["rank"]] += 1
+        if min(counts.values()) >= n:
             return
-        time.sleep(0.2)
-    raise TimeoutError("not every rank snapshotted")
+        sup.step()
+        time.sleep(0.05)
+    raise TimeoutError(f"not every rank made {n} steps")
+
+
+def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
+    home, trace_dir = root / mode, root / mode / "trace"
+    settings = Settings.from_env(home=home / "cp", admin_token=ADMIN, reconcile_interval_s=0.1, alert_log=False)
+    with ServerThread(create_app(settings)) as server, Client(server.url, token=ADMIN) as c:
+        devices = [f"gpu-{i}" for i in range(ranks)]
+        for d in devices:
+            c.request("PUT", f"/v1/devices/{d}", json={"id": d, "node": "node-0", "model": "sim", "memory_gb": 16})
+        c.put_pool("bench", devices=devices)
+        token = c.create_token("bench")
+        stop = home / "stop"
+        job = JobFile.model_validate(
+            {
+                "job": f"ppo-{mode}",
+                "pool": "bench",
+                "warm_standby": True,
+                "snapshots": {"dir": str(home / "snaps"), "interval_s": 2},
+                "restart": {"max_restarts": runs + 2, "resume_timeout_s": 120, "admit_timeout_s": 120},
+                "groups": [
+                    {
+                        "name": "learners",
+                        "world_size": ranks,
+                        "memory_gb": 4,
+                        "heal": mode == "heal",
+                        "env": {"OMP_NUM_THREADS": "1", "DSEC_HEARTBEAT_INTERVAL": "0.25",
+                                "DSEC_STEP_TRACE": str(trace_dir), "DSEC_DRIFT_CHECK_STEPS": "5"},
+                        "command": [sys.executable, str(REPO / "examples" / "ppo_cartpole_ddp.py"),
+                                    "--max-seconds", "900", "--log-every", "0", "--target-return", "100000",
+                                    "--stop-file", str(stop)],
+                    }
+                ],
+            }
+        )  # fmt: skip
+        launcher = LocalLauncher(log_dir=home / "logs", warm=True)
+        recoveries: list[Recovery] = []
+        sup = Supervisor(job, launcher, client=c, endpoint=server.url, pool_token=token, poll_s=0.02,
+                         on_recovery=recoveries.append)  # fmt: skip
+        rows: list[dict[str, Any]] = []
+        try:
+            sup.start()
+            since = time.time()
+            for run in range(runs):
+                # Warm: 4 PPO updates (128 steps) on every rank since the start or the last recovery, so the
+                # group's loop is known and a snapshot exists; standbys done importing, as between real failures.
+                wait_steps(sup, trace_dir, since, ranks, 128)
+                deadline = time.time() + 120
+                while launcher.standbys_ready("learners") < ranks and time.time() < deadline:
+                    sup.step()
+                    time.sleep(0.05)
+                victim = (run + 1) % ranks
+                pid = launcher.pids("learners")[f"learners-{victim}"]
+                t_kill = time.time()
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.time() + 180
+                while len(recoveries) <= run and time.time() < deadline:
+                    sup.step()
+                    time.sleep(sup.poll_s)
+                rec = recoveries[run]
+                wait_steps(sup, trace_dir, t_kill, ranks, 5)  # 5 steps on every rank after the kill
+                row = per_kill(trace_dir, t_kill, victim, ranks)
+                row.update(
+                    run=run,
+                    killed=victim,
+                    detect_s=round(rec.detected_at - t_kill, 4),
+                    total_s=round((rec.resumed_at or time.time()) - t_kill, 4),
+                    mode=rec.mode,
+                )
+                rows.append(row)
+                print(json.dumps({"mode": mode, **row}), flush=True)
+                since = time.time()
+            stop.touch()
+            if not sup.run(timeout_s=120):
+                raise RuntimeError(f"{mode}: the job did not finish: {sup.failed}")
+        finally:
+            sup.stop()
+        log = home / "logs" / "learners-0.log"
+        final = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith('{"reached"')]
+        anomalies = c.all_events(types=["anomaly"])
+        workers = c.workers(pool="bench")
+    drift_checks = sum(int(w["metrics"].get("replica_checks_total", 0)) for w in workers)
+    return summarize(
+        rows,
+        replica_max_abs_diff=final[-1]["replica_max_abs_diff"] if final else None,
+        drift_checks=drift_checks,
+        drift_found=sum(1 for e in anomalies if e["data"].get("kind") == "replica_drift"),
+    )
+
+
+def summarize(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    pauses = [p for r in rows for p in r["pauses"]]
+    rejoin = [r["replacement_rejoin_s"] for r in rows if "replacement_rejoin_s" in r]
+
+    def q(xs: list[float]) -> dict[str, float] | None:
+        return {"p50": round(statistics.median(xs), 3), "max": round(max(xs), 3)} if xs else None
+
+    return {
+        "runs": len(rows),
+        "survivor_pause_s": q(pauses),
+        "replacement_rejoin_s": q(rejoin),
+        "healthy_ranks_restarted": max((r["restarted"] for r in rows), default=None),
+        "steps_lost": {"p50": statistics.median(r["lost"] for r in rows), "max": max(r["lost"] for r in rows)}
+        if rows
+        else None,
+        "detect_s": round(statistics.median(r["detect_s"] for r in rows), 4) if rows else None,
+        "total_s": round(statistics.median(r["total_s"] for r in rows), 3) if rows else None,
+        **extra,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--cold", action="store_true", help="no warm standby processes (every restart starts Python)")
+    ap.add_argument("--modes", default="heal,restart,torchft")
+    ap.add_argument("--keep", type=Path, default=None, help="work in this directory and keep it (logs, traces)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="dsec-recovery-") as tmp:
-        home = Path(tmp)
-        settings = Settings.from_env(home=home / "cp", admin_token=ADMIN, reconcile_interval_s=0.1, alert_log=False)
-        with ServerThread(create_app(settings)) as server, Client(server.url, token=ADMIN) as c:
-            devices = [f"gpu-{i}" for i in range(args.ranks)]
-            for d in devices:
-                c.request("PUT", f"/v1/devices/{d}", json={"id": d, "node": "node-0", "model": "sim", "memory_gb": 16})
-            c.put_pool("bench", devices=devices)
-            token = c.create_token("bench")
-            job = JobFile.model_validate(
-                {
-                    "job": "ppo-bench",
-                    "pool": "bench",
-                    "snapshots": {"dir": str(home / "snaps"), "interval_s": 2},
-                    "restart": {"max_restarts": args.runs + 1, "resume_timeout_s": 120},
-                    "groups": [
-                        {
-                            "name": "learners",
-                            "world_size": args.ranks,
-                            "memory_gb": 4,
-                            "env": {"OMP_NUM_THREADS": "1", "DSEC_HEARTBEAT_INTERVAL": "0.25"},
-                            "command": [sys.executable, str(REPO / "examples" / "ppo_cartpole_ddp.py"),
-                                        "--max-seconds", "900", "--log-every", "0", "--target-return", "100000"],
-                        }
-                    ],
-                }
-            )  # fmt: skip
-            launcher = LocalLauncher(log_dir=home / "logs", warm=not args.cold)
-            recoveries: list[Recovery] = []
-            sup = Supervisor(job, launcher, client=c, endpoint=server.url, pool_token=token, poll_s=0.02,
-                             on_recovery=recoveries.append)  # fmt: skip
-            rows: list[dict[str, Any]] = []
-            try:
-                sup.start()
-                since = time.time()
-                for run in range(args.runs):
-                    wait_snapshots(c, since, args.ranks)
-                    # Failures are not seconds apart: let the standbys for the next restart finish their imports.
-                    deadline = time.time() + 120
-                    while not args.cold and launcher.standbys_ready("learners") < args.ranks and time.time() < deadline:
-                        sup.step()
-                        time.sleep(0.1)
-                    pids = launcher.pids("learners")
-                    victim = f"learners-{run % args.ranks}"
-                    t_kill = time.time()
-                    os.kill(pids[victim], signal.SIGKILL)
-                    deadline = time.time() + 180
-                    while len(recoveries) <= run and time.time() < deadline:
-                        sup.step()
-                        time.sleep(sup.poll_s)
-                    rec = recoveries[run]
-                    if rec.resumed_at is None:
-                        raise RuntimeError(f"run {run}: the group did not report its restores")
-                    row = {
-                        "run": run,
-                        "killed": victim,
-                        "detect_s": round(rec.detected_at - t_kill, 4),
-                        "stop_s": round(rec.stopped_at - rec.detected_at, 4),
-                        "restart_s": round(rec.resumed_at - (rec.restore_s or 0) - rec.spawned_at, 4),
-                        "restore_s": round(rec.restore_s or 0.0, 4),
-                        "total_s": round(rec.resumed_at - t_kill, 4),
-                    }
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    since = time.time()
-            finally:
-                warm_starts = launcher.warm_starts
-                sup.stop()
-    med = {
-        k: round(statistics.median(r[k] for r in rows), 3) for k in ("detect_s", "restart_s", "restore_s", "total_s")
-    }
-    summary = {"runs": len(rows), "ranks": args.ranks, "warm_standby": not args.cold, "warm_starts": warm_starts}
-    print(json.dumps({**summary, **med}))
+    out: dict[str, Any] = {"ranks": args.ranks}
+    with tempfile.TemporaryDirectory(prefix="dsec-recovery-") as scratch:
+        tmp = str(args.keep) if args.keep is not None else scratch
+        for mode in args.modes.split(","):
+            t0 = time.time()
+            if mode == "torchft":
+                import torchft_ppo  # benchmarks/torchft_ppo.py (needs the bench extra: pip install -e .[bench])
+
+                out[mode] = torchft_ppo.run(runs=args.runs, world=args.ranks)
+            else:
+                out[mode] = dsec_mode(mode, args.runs, args.ranks, Path(tmp))
+            out[mode]["wall_s"] = round(time.time() - t0, 1)
+            print(json.dumps({mode: out[mode]}), flush=True)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -446,9 +446,10 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             time.sleep(2 * HEARTBEAT_S)
             scenes_ok = {s.title: s.check(run) for s in SCENES}
             # The learners again, now under DSec's supervisor (local launcher): restored from the first run's
-            # snapshots, then one rank killed -9 and the group recovered from its newest snapshots (no chaos).
+            # snapshots at one agreed step, then one rank killed -9 and healed in place (no chaos).
             console.print(
-                "restarting the learners under the supervisor from their snapshots, then killing one rank (-9)"
+                "restarting the learners under the supervisor from their snapshots (one agreed step), then killing "
+                "one rank (-9): its peer keeps training, a replacement joins"
             )
             result = recovery_phase.supervised_recovery(
                 run, {**learner_env, "DSEC_SNAPSHOT_DIR": str(snapshot_dir)}, POOL, pool_token, server.url, ppo, home
@@ -458,7 +459,7 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
             scenes_ok["restart from snapshots: each learner restored (verified), PPO return does not collapse"] = (
                 snapshot_scenes.restored(run) and keeps_learning
             )
-            scenes_ok["recovery: a rank killed -9 -> group restarted from snapshots by the supervisor, timed"] = (
+            scenes_ok["healing: a rank killed -9 -> replaced in place, its peer never stopped, replicas identical"] = (
                 recovery_phase.recovered(run, result)
             )
             scenes_ok["training processes finished cleanly"] = learners_ok

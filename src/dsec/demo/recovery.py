@@ -1,5 +1,8 @@
 """Demo phase for launching and recovery: the PPO learners restarted by DSec's supervisor (local launcher) from
-their snapshots, then one rank SIGKILLed and the group recovered from its newest snapshots, each phase timed."""
+their snapshots — every rank at one agreed step — then one rank killed -9 and *healed in place*: its peer keeps
+its process and its step counter, the group re-forms without the dead rank, and a replacement joins at the next
+PPO update with the live state from the peer. Replicas are compared at the end (the PPO script all-gathers its
+parameters)."""
 
 from __future__ import annotations
 
@@ -18,33 +21,59 @@ from dsec.launch.supervisor import Recovery, Supervisor
 if TYPE_CHECKING:
     from dsec.demo import DemoRun
 
+# Healing admits a replacement where the script's loop starts over; the group must have seen its loop a few times
+# first (heal/sequence.py): a PPO update is 32 gradient syncs + 1 all-reduce here, so ~4 updates of every rank.
+WARM_STEPS = 140
+
 
 def _snapshots_since(run: DemoRun, since: float) -> set[str]:
     evs = run.client.all_events(types=["snapshot"], since=since)
     return {str(e["worker_id"]) for e in evs if e["data"].get("status") == "ok"}
 
 
+def _updates(run: DemoRun, pool: str) -> dict[int, tuple[str, int, int]]:
+    """rank -> (worker id, pid, optimizer steps) of the active learners."""
+    return {
+        w["rank"]: (w["id"], int(w["pid"]), int(w["metrics"].get("updates_total", 0)))
+        for w in run.client.workers(pool=pool)
+        if w["state"] == "active" and w["role"] == "learner"
+    }
+
+
+def _wait(sup: Supervisor, cond: Any, timeout: float) -> Any:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        sup.step()
+        time.sleep(0.05)
+    return None
+
+
 def supervised_recovery(
     run: DemoRun, env: dict[str, str], pool: str, pool_token: str, endpoint: str, ppo: list[str], home: Path
 ) -> dict[str, Any]:
     """Start the learners under the supervisor from the first run's snapshots (group ``default``: the names the
-    first run's snapshots carry), kill one rank once both have snapshotted again, let the supervisor recover the
-    group, then let it finish. Returns the recovery timings and the restored run's PPO result."""
+    first run's snapshots carry), kill one rank once they have trained a few updates, let the supervisor heal the
+    group, then stop them. Returns the recovery timings, what the survivor did meanwhile, and the PPO result."""
     world = int(ppo[ppo.index("--world-size") + 1])
     script = ppo[1]
+    stop = home / "recovery-stop"
     job = JobFile.model_validate(
         {
             "job": "demo-ppo",
             "pool": pool,
             "snapshots": {"dir": env["DSEC_SNAPSHOT_DIR"], "interval_s": 1},
-            "restart": {"max_restarts": 2, "resume_timeout_s": 60},
+            "restart": {"max_restarts": 2, "resume_timeout_s": 60, "admit_timeout_s": 60},
             "groups": [
                 {
                     "name": "default",
                     "world_size": world,
                     "memory_gb": 1,
-                    "command": [sys.executable, script, "--seed", "1", "--max-seconds", "8", "--log-every", "0",
-                                "--target-return", "100000"],
+                    "heal": True,
+                    "command": [sys.executable, script, "--seed", "1", "--max-seconds", "60", "--log-every", "0",
+                                "--target-return", "100000", "--stop-file", str(stop)],
                 }
             ],
         }
@@ -58,21 +87,36 @@ def supervised_recovery(
     try:
         started = time.time()
         sup.start(restore=True)
-        deadline = time.time() + 60
-        while len(_snapshots_since(run, started)) < world and time.time() < deadline:
-            sup.step()
-            time.sleep(0.05)
-        victim = f"default-{world - 1}"
+        warm = _wait(
+            sup,
+            lambda: (
+                len(_updates(run, pool)) == world and min(u for _, _, u in _updates(run, pool).values()) >= WARM_STEPS
+            ),
+            60,
+        )
+        out["warm"] = bool(warm)
+        victim = world - 1
+        before = _updates(run, pool)
         t_kill = time.time()
-        os.kill(launcher.pids("default")[victim], signal.SIGKILL)
-        deadline = time.time() + 60
-        while not recoveries and time.time() < deadline:
-            sup.step()
-            time.sleep(0.02)
+        os.kill(launcher.pids("default")[f"default-{victim}"], signal.SIGKILL)
+        _wait(sup, lambda: recoveries, 60)
+        after = _updates(run, pool)
         if recoveries:
             rec = recoveries[0]
             out["recovery"] = {**rec.timings(), "total_from_kill_s": round((rec.resumed_at or t_kill) - t_kill, 3)}
-        out["finished"] = sup.run(timeout_s=90)
+        # The survivors: the same worker and process, with a step counter that only went up.
+        out["survivors"] = {
+            r: {"same_process": after.get(r, ("", 0, 0))[1] == pid, "steps_before": n, "steps_after": after[r][2]}
+            for r, (_, pid, n) in before.items()
+            if r != victim and r in after
+        }
+        out["restores"] = [
+            e["data"]
+            for e in run.client.all_events(types=["restore"], since=started - 1)
+            if e["data"].get("status") == "ok"
+        ]
+        stop.touch()
+        out["finished"] = sup.run(timeout_s=60)
     finally:
         sup.stop()
     log = home / "launch" / "default-0.log"
@@ -82,14 +126,29 @@ def supervised_recovery(
 
 
 def recovered(run: DemoRun, result: dict[str, Any]) -> bool:
+    restores = result.get("restores", [])
+    steps = sorted({d.get("agreed_step") for d in restores}, key=str)
+    run.notes.append(
+        f"restart from snapshots: {len(restores)} learners restored, all at one agreed step {steps}"
+        if len(steps) == 1
+        else f"restart from snapshots: the learners restored different steps {steps}"
+    )
     rec = result.get("recovery")
     if not rec:
-        run.notes.append("recovery: the supervisor did not report a recovery")
+        run.notes.append("healing: the supervisor did not report the replacement's admission")
         return False
+    survivors = result.get("survivors", {})
+    kept = all(s["same_process"] and s["steps_after"] > s["steps_before"] for s in survivors.values())
+    diff = result.get("ppo", {}).get("replica_max_abs_diff")
     run.notes.append(
-        f"kill -9 of learner rank {rec['worker']}: detected in {rec['detect_s'] * 1e3:.0f} ms, group stopped in "
-        f"{rec['stop_s'] * 1e3:.0f} ms, restarted in {rec.get('restart_s', float('nan')):.1f} s, restored in "
-        f"{rec.get('restore_s', float('nan')) * 1e3:.0f} ms: training resumed {rec['total_from_kill_s']:.1f} s after "
-        f"the kill (snapshots {', '.join(rec.get('restored', []))})"
+        f"kill -9 of learner rank {rec['worker']}: detected in {rec['detect_s'] * 1e3:.0f} ms; the group re-formed "
+        f"without it in {rec.get('reconfigure_s', float('nan')) * 1e3:.0f} ms while "
+        + ", ".join(
+            f"rank {r} kept its process and trained on ({s['steps_before']} -> {s['steps_after']} steps)"
+            for r, s in survivors.items()
+        )
+        + f"; its replacement joined {rec.get('rejoin_s', float('nan')):.1f} s after spawning, at the next PPO "
+        f"update, with the live state from a peer; {rec['healthy_ranks_restarted']} healthy ranks restarted; "
+        f"replicas at the end: max |difference| {diff}"
     )
-    return "restore_s" in rec and bool(result.get("finished"))
+    return len(steps) == 1 and rec.get("mode") == "heal" and kept and diff == 0.0 and bool(result.get("finished"))

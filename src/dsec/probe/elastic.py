@@ -97,6 +97,7 @@ class _Pending:
     op: Op
     fut: Any  # torch.futures.Future
     admit: bool = False
+    known: bool = False  # the control plane already knows the epoch is broken (it told us)
     state: _State = _State.PENDING
     epoch: int = 0
     error: str | None = None
@@ -154,6 +155,7 @@ class ElasticGroup:
         self._lock = threading.Lock()
         self._inflight: _Pending | None = None
         self._broken_epoch: int | None = None  # the epoch the control plane or a failed op says is broken
+        self._broken_by_watch = False  # ... and the control plane said so (no need to report it)
         self.join_known = False  # the watch says a replacement waits
         self.admit_at: int | None = None  # agreed admission point (the group's script-collective index)
         self.version = 0
@@ -213,6 +215,7 @@ class ElasticGroup:
             admit = self.admit_at is not None and op.sig is not None and self.seq.position >= self.admit_at
             if self.ep is None or admit or self._broken_epoch is not None:
                 p.admit = admit and self.ep is not None and self._broken_epoch is None
+                p.known = self._broken_by_watch
                 p.state = _State.HANDED
                 self._queue.append(p)
                 self._wake.notify_all()
@@ -311,8 +314,10 @@ class ElasticGroup:
             broken = view.get("phase") == "broken" or int(view.get("epoch", 0)) > ep.epoch
             if broken and self._broken_epoch is None:
                 self._broken_epoch = ep.epoch
+                self._broken_by_watch = True
                 p = self._inflight
                 if p is not None and p.state is _State.PENDING:
+                    p.known = True
                     self._hand_locked(p, "the control plane reports the epoch broken")
 
     # -- heal thread ----------------------------------------------------------------------------------------------
@@ -339,7 +344,7 @@ class ElasticGroup:
     def _heal(self, p: _Pending) -> None:
         t0 = time.monotonic()
         failed_epoch = self._broken_epoch
-        if failed_epoch is not None and not self.replacement_pending():
+        if failed_epoch is not None and not p.known and not self.replacement_pending():
             try:
                 self.client.fail(failed_epoch, p.error or "collective interrupted")
             except HealUnavailable:
@@ -460,6 +465,7 @@ class ElasticGroup:
             for r in members:
                 self.seniority.setdefault(r, plan.epoch)
             self._broken_epoch = None
+            self._broken_by_watch = False
             self.join_known = False
             self.admit_at = None
             self.version += 1

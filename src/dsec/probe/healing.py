@@ -58,6 +58,8 @@ class Healing:
         self._received: ReplicaState | None = None
         self.applied_state = False
         self._local = threading.local()
+        self._aligned_reported: set[tuple[int, tuple[str, ...]]] = set()
+        self.aligned = 0  # optimizer-settings alignments applied (for reports)
 
     @classmethod
     def from_env(cls, probe: Probe, env: Mapping[str, str] | None = None) -> Healing | None:
@@ -212,8 +214,12 @@ class Healing:
                 for key, value in ref.items():
                     if key in group and value is not None and _json_safe(group[key]) != value:
                         changed.append(key)
+                        self.aligned += 1
                         group[key] = tuple(value) if isinstance(group[key], tuple) else value
-        if changed:
+        key = (reference, tuple(sorted(set(changed))))
+        if changed and key not in self._aligned_reported:
+            # Once per pattern: a script that recomputes its settings from its own counters differs every update.
+            self._aligned_reported.add(key)
             self.probe.event(
                 "anomaly",
                 urgent=True,
