@@ -39,9 +39,11 @@ check: setup
 	$(BIN)/mypy
 
 bench: setup
+	$(BIN)/python -m pip --disable-pip-version-check -q install -e ".[bench]"
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python benchmarks/probe_overhead.py
 	$(BIN)/python benchmarks/simulate.py
+	$(BIN)/python benchmarks/recovery.py
 
 serve: setup
 	$(BIN)/dsec serve --cluster examples/cluster.yaml

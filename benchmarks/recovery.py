@@ -10,7 +10,8 @@ Modes, each on the same job (examples/ppo_cartpole_ddp.py: DDP over gloo on 127.
   quorum, the killed replica restarted by the harness and healed from a peer.
 
 Per kill, from each process's step trace (``DSEC_STEP_TRACE``: one line per optimizer step, wall clock):
-``survivor_pause_s`` — kill -> a surviving rank's next completed step (p50 and max over survivors and kills);
+``survivor_pause_s`` — a surviving rank's longest time without completing a step, from its last step before the kill
+to its first step in the re-formed group (p50 and max over survivors and kills);
 ``replacement_rejoin_s`` — kill -> the killed rank's replacement completes its first step; ``healthy_ranks_restarted``
 — surviving ranks whose process changed; ``steps_lost`` — optimizer steps the survivors redo or drop (their step
 counter goes back after a restore); ``detect_s`` — kill -> the supervisor noticed the exit; ``total_s`` — kill ->
@@ -25,6 +26,7 @@ drift check also compares fingerprints every 5 synchronized steps and right afte
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -57,24 +59,35 @@ def traces(trace_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def per_kill(trace_dir: Path, t_kill: float, victim: int, ranks: int) -> dict[str, Any]:
+def per_kill(trace_dir: Path, t_kill: float, t_reform: float | None, victim: int, ranks: int) -> dict[str, Any]:
+    """One kill's figures. A survivor's pause is the longest gap between its consecutive steps from its last step
+    before the kill up to its first step in the re-formed group (``t_reform``: the epoch without the victim formed;
+    None: a restart, where that is its new process's first step) — a step in flight at the kill may still complete
+    just after it, the stall comes next (the same definition as benchmarks/torchft_ppo.py)."""
     by_pid = traces(trace_dir)
     row: dict[str, Any] = {"pauses": [], "restarted": 0, "lost": 0}
     for rank in range(ranks):
-        lines = [(pid, ln) for pid, ls in by_pid.items() for ln in ls if ln["rank"] == rank]
+        lines = sorted(((pid, ln) for pid, ls in by_pid.items() for ln in ls if ln["rank"] == rank),
+                       key=lambda x: x[1]["t"])  # fmt: skip
         before = [x for x in lines if x[1]["t"] <= t_kill]
-        after = sorted((x for x in lines if x[1]["t"] > t_kill), key=lambda x: x[1]["t"])
+        after = [x for x in lines if x[1]["t"] > t_kill]
         if not after:
             continue
-        first_pid, first = after[0]
         if rank == victim:
-            row["replacement_rejoin_s"] = round(first["t"] - t_kill, 4)
+            row["replacement_rejoin_s"] = round(after[0][1]["t"] - t_kill, 4)
             continue
-        row["pauses"].append(round(first["t"] - t_kill, 4))
-        if before:
-            last_pid, last = max(before, key=lambda x: x[1]["t"])
-            row["restarted"] += int(first_pid != last_pid)
-            row["lost"] = max(row["lost"], int(last["step"]) + 1 - int(first["step"]))
+        if not before:
+            continue
+        last_pid, last = before[-1]
+        if t_reform is None:
+            resumed = next((x for x in after if x[0] != last_pid), after[0])
+        else:
+            resumed = next((x for x in after if x[1]["t"] >= t_reform), after[-1])
+        window = [last["t"]]
+        window += [x[1]["t"] for x in after if x[1]["t"] <= resumed[1]["t"]]
+        row["pauses"].append(round(max(b - a for a, b in itertools.pairwise(window)), 4))
+        row["restarted"] += int(resumed[0] != last_pid)
+        row["lost"] = max(row["lost"], int(last["step"]) + 1 - int(after[0][1]["step"]))
     return row
 
 
@@ -152,7 +165,8 @@ def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
                     time.sleep(sup.poll_s)
                 rec = recoveries[run]
                 wait_steps(sup, trace_dir, t_kill, ranks, 5)  # 5 steps on every rank after the kill
-                row = per_kill(trace_dir, t_kill, victim, ranks)
+                t_reform = rec.reconfigured_at if rec.mode == "heal" else None
+                row = per_kill(trace_dir, t_kill, t_reform, victim, ranks)
                 row.update(
                     run=run,
                     killed=victim,

@@ -723,7 +723,8 @@ def _run_metrics(c: _Cluster, victim: int, t_kill: float, old_pids: dict[int, in
     }
 
 
-def _summary(values: list[float]) -> dict[str, float] | None:
+def _summary(values: list[Any]) -> dict[str, float] | None:
+    """p50 / max / count of the values that were measured (None = not measured in that run)."""
     vals = [v for v in values if v is not None]
     if not vals:
         return None

@@ -160,10 +160,16 @@ def test_two_deaths_at_once_and_settings_kept_in_the_scripts_own_variables(
     os.kill(pids["trainers-2"], signal.SIGKILL)
     supervise_until(sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission")
     assert launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
+    # Three more updates: each replacement's script sets its learning rate from its own (restarted) counter.
+    n = len(steps_of(tmp_path, "trainers-0"))
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= n + 24, 60, "three more updates")
     out = finish(sup, tmp_path)
     assert out["max_param_diff"] == 0.0, out
-    aligned = [e["data"] for e in cp.admin.all_events(types=["anomaly"]) if e["data"].get("aligned_to") is not None]
-    assert aligned and all(d["keys"] == ["lr"] for d in aligned), aligned
+    aligned = [e for e in cp.admin.all_events(types=["anomaly"]) if e["data"].get("aligned_to") is not None]
+    # The two replacements outnumber the survivor, yet they take its settings (the oldest member's), not it theirs.
+    ranks = {w["id"]: w["rank"] for w in cp.admin.workers(pool="pool-a")}
+    assert aligned and {ranks[e["worker_id"]] for e in aligned} == {1, 2}, aligned
+    assert all(e["data"]["aligned_to"] == 0 and e["data"]["keys"] == ["lr"] for e in aligned)
 
 
 def test_a_death_while_a_replacement_waits(cp: Harness, supervised: Callable[..., Any], tmp_path: Path) -> None:

@@ -159,10 +159,15 @@ class HealRegistry:
         async with r.cond:
             r.cond.notify_all()
 
-    async def _wait(self, r: _Run, done: Callable[[], Any], timeout: float) -> Any:
-        """Wait until ``done()`` is truthy (returned), ticking the group's join timeout; None after ``timeout``."""
+    async def _wait(
+        self, r: _Run, done: Callable[[], Any], timeout: float, gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> Any:
+        """Wait until ``done()`` is truthy (returned), ticking the group's join timeout; None after ``timeout`` or
+        once ``gone()`` says the client hung up (a killed member's long-poll must not live on for its 20 s)."""
         deadline = time.monotonic() + timeout
         while True:
+            if gone is not None and await gone():
+                return None
             seen = r.version
             value = done()
             if value:
@@ -177,6 +182,8 @@ class HealRegistry:
             due = r.group.deadline()
             if due is not None:
                 left = min(left, max(0.01, due - self._clock()))
+            if gone is not None:
+                left = min(left, 0.5)
             async with r.cond:
                 if r.version != seen:
                     continue  # changed while we looked: look again before sleeping
@@ -188,7 +195,14 @@ class HealRegistry:
         return ApiError(409, "fenced", str(exc), "incarnation")
 
     # -- operations ---------------------------------------------------------------------------------------------
-    async def join(self, run: str, body: JoinBody, token_pool: str | None, admin: bool) -> tuple[int, dict[str, Any]]:
+    async def join(
+        self,
+        run: str,
+        body: JoinBody,
+        token_pool: str | None,
+        admin: bool,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
         self._authorize(self.runs.get(run), body.pool, token_pool, admin)
         r = self._get_or_create(run, body.pool, body.group, body.world)
         j = Join(
@@ -222,12 +236,19 @@ class HealRegistry:
                 return {"status": "formed", "plan": g.plan.to_dict(), "version": r.version}
             return None
 
-        plan = await self._wait(r, formed, self.poll_s)
+        plan = await self._wait(r, formed, self.poll_s, gone)
         if plan is None:
             return 202, {"status": "waiting", "view": r.group.view(), "version": r.version}
         return 200, plan
 
-    async def admit(self, run: str, body: AdmitBody, token_pool: str | None, admin: bool) -> dict[str, Any]:
+    async def admit(
+        self,
+        run: str,
+        body: AdmitBody,
+        token_pool: str | None,
+        admin: bool,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> dict[str, Any]:
         r = self._get(run)
         self._authorize(r, None, token_pool, admin)
         start_epoch = r.group.epoch
@@ -249,7 +270,7 @@ class HealRegistry:
                 return {"status": "void", "view": g.view(), "version": r.version}
             return None
 
-        out = await self._wait(r, settled, self.poll_s)
+        out = await self._wait(r, settled, self.poll_s, gone)
         return out or {"status": "waiting", "view": r.group.view(), "version": r.version}
 
     async def fail(self, run: str, body: FailBody, token_pool: str | None, admin: bool) -> dict[str, Any]:
@@ -292,10 +313,18 @@ class HealRegistry:
         await self._apply(r, notes)
         return {"status": "ok"}
 
-    async def watch(self, run: str, since: int, token_pool: str | None, admin: bool, timeout: float) -> dict[str, Any]:
+    async def watch(
+        self,
+        run: str,
+        since: int,
+        token_pool: str | None,
+        admin: bool,
+        timeout: float,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> dict[str, Any]:
         r = self._get(run)
         self._authorize(r, None, token_pool, admin)
-        await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s))
+        await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s), gone)
         return {"version": r.version, **r.group.view()}
 
     def state(self, run: str, token_pool: str | None, admin: bool) -> dict[str, Any]:
@@ -325,14 +354,14 @@ def heal_routes(registry: Callable[[Request], HealRegistry], lookup: Callable[[R
     async def join(run: Run, body: JoinBody, request: Request, authorization: Auth = None) -> Response:
         """Join the next epoch of a healing group (long-poll: 200 with the plan, or 202 to ask again)."""
         pool, admin = tokens(request, bearer(authorization))
-        status, out = await registry(request).join(run, body, pool, admin)
+        status, out = await registry(request).join(run, body, pool, admin, request.is_disconnected)
         return JSON(out, status_code=status)
 
     @r.post("/{run}/admit")
     async def admit(run: Run, body: AdmitBody, request: Request, authorization: Auth = None) -> Response:
         """A member reached the agreed admission point (long-poll: the new epoch's plan, broken, or void)."""
         pool, admin = tokens(request, bearer(authorization))
-        return JSON(await registry(request).admit(run, body, pool, admin))
+        return JSON(await registry(request).admit(run, body, pool, admin, request.is_disconnected))
 
     @r.post("/{run}/fail")
     async def fail(run: Run, body: FailBody, request: Request, authorization: Auth = None) -> Response:
@@ -356,7 +385,7 @@ def heal_routes(registry: Callable[[Request], HealRegistry], lookup: Callable[[R
     ) -> Response:
         """Long-poll until the group changes past version ``since``: epoch, phase, waiting replacements."""
         pool, admin = tokens(request, bearer(authorization))
-        return JSON(await registry(request).watch(run, since, pool, admin, timeout))
+        return JSON(await registry(request).watch(run, since, pool, admin, timeout, request.is_disconnected))
 
     @r.get("/{run}")
     async def state(run: Run, request: Request, authorization: Auth = None) -> Response:

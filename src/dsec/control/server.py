@@ -35,6 +35,9 @@ def uvicorn_config(app: FastAPI, host: str, port: int, **kw: Any) -> uvicorn.Con
         date_header=False,
         lifespan="on",
         access_log=kw.pop("access_log", False),
+        # Long-polls (heal join/watch) are held up to 20 s; a shutdown cuts them after this instead of waiting
+        # (members ask again, on the next control plane).
+        timeout_graceful_shutdown=kw.pop("timeout_graceful_shutdown", 2),
         **kw,
     )
 

@@ -35,12 +35,17 @@ WARM_MODULES = (
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
+    # DDP imports torch._dynamo at its first forward: ~1.7 s on this 2-core machine, a replacement's biggest cost
+    "torch._dynamo",
+    "torch.testing._internal.distributed.fake_pg",
     "numpy",
     "gymnasium",
     "gymnasium.envs.classic_control",
     "dsec.probe.runtime",
     "dsec.probe.torch_hooks",
     "dsec.probe.gym_hooks",
+    "dsec.probe.healing",
+    "dsec.probe.heal_sync",
     "dsec.snapshot",
 )
 

@@ -15,7 +15,8 @@ Differences from the plain hook (ddp.py), and why:
   by ``world / contributors`` once the headers say how many contributed: the survivors of a failure, and not a
   replacement in its first period (``Flag.CONTRIBUTES``: its first rollout came from its own untrained weights).
 - **Admission and settings** ride in the header too: ``Flag.JOIN_KNOWN`` + ``admit`` (elastic.py), and the optimizer
-  hyper-parameter digests, from which the group keeps its oldest member's settings (applied at the optimizer step).
+  hyper-parameter digests; when they differ the group keeps its oldest member's settings (applied at the next
+  optimizer step).
 """
 
 from __future__ import annotations
@@ -108,13 +109,10 @@ class HealingSync(SyncCoordinator):
             # Every member knew of the waiting replacement and proposed the same point: arm the admission.
             here = self.elastic.seq.position  # this sync's own index (not yet counted): proposals lie after it
             self.elastic.arm_admission(here + ((proposals.pop() - here) % (sh.MASK24 + 1)))
-        hypers: dict[int, list[int]] = {}
-        for r in present:
-            hypers.setdefault(headers[r].hyper, []).append(r)
-        if len(hypers) > 1:
-            # The most common settings win; among equals, those of the oldest member.
-            best = max(hypers.values(), key=lambda rs: (len(rs), -self.elastic.seniority.get(min(rs), 1 << 30)))
-            self.hyper_reference = self.elastic.reference_rank(best)
+        if len({headers[r].hyper for r in present}) > 1:
+            # The oldest member's settings win, not the majority's: differences come from replacements whose
+            # script restarted its own counters (several replacements can outnumber the survivors).
+            self.hyper_reference = self.elastic.reference_rank(present)
         else:
             self.hyper_reference = None
 
