@@ -139,6 +139,10 @@ class SyncCoordinator:
     def _headers_seen(self, headers: list[sh.Header], period_ms: float | None, latency_s: float) -> None:
         self._seen = [(h.bits, h.accum) for h in headers]
         self._record_arrivals([h.stamp for h in headers], period_ms, latency_s)
+        self._synced(headers)
+
+    def _synced(self, headers: list[sh.Header]) -> None:
+        """One more synchronized step; the replica guard reads its headers."""
         self.syncs += 1
         if self.guard is not None:
             try:

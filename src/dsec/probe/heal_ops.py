@@ -52,63 +52,62 @@ def _op_name(op: Any) -> str:
     return str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
 
 
-class AllReduce:
+class _InPlace:
+    """An op that overwrites its tensor in place: the input is kept, so a re-run starts from it (a failed run may
+    have left partial results behind); the result is cloned for a member one collective behind."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._orig = tensor.detach().clone()
+        self._issued = False
+
+    def _restart(self) -> None:
+        if self._issued:
+            self.tensor.copy_(self._orig)
+        self._issued = True
+
+    def result(self) -> list[torch.Tensor]:
+        return [self.tensor.detach().clone()]
+
+    def accept(self, tensors: list[torch.Tensor]) -> None:
+        self.tensor.copy_(tensors[0])
+
+    def finish(self) -> Any:
+        return None
+
+
+class AllReduce(_InPlace):
     def __init__(self, tensor: torch.Tensor, op: Any = None, dst: int | None = None) -> None:
         import torch.distributed as dist
 
-        self.tensor = tensor
+        super().__init__(tensor)
         self.op: Any = dist.ReduceOp.SUM if op is None else op
         self.dst = dst  # reduce: only dst's result is defined (we compute it everywhere: same cost on gloo)
         self.sig = f"{'reduce' if dst is not None else 'all_reduce'}:{_dtype(tensor)}:{_op_name(self.op)}"
-        self._orig = tensor.detach().clone()
-        self._issued = False
 
     def issue(self, ep: Epoch) -> Any:
         import torch.distributed as dist
 
-        if self._issued:
-            self.tensor.copy_(self._orig)  # a failed all-reduce may have left partial sums in place
-        self._issued = True
+        self._restart()
         opts = dist.AllreduceOptions()
         opts.reduceOp = self.op
         return ep.pg.allreduce([self.tensor], opts)
 
-    def result(self) -> list[torch.Tensor]:
-        return [self.tensor.detach().clone()]
 
-    def accept(self, tensors: list[torch.Tensor]) -> None:
-        self.tensor.copy_(tensors[0])
-
-    def finish(self) -> Any:
-        return None
-
-
-class Broadcast:
+class Broadcast(_InPlace):
     def __init__(self, tensor: torch.Tensor, src: int) -> None:
-        self.tensor, self.src = tensor, src
+        super().__init__(tensor)
+        self.src = src
         self.sig = f"broadcast:{_dtype(tensor)}"
-        self._orig = tensor.detach().clone()
-        self._issued = False
 
     def issue(self, ep: Epoch) -> Any:
         import torch.distributed as dist
 
-        if self._issued:
-            self.tensor.copy_(self._orig)
-        self._issued = True
+        self._restart()
         opts = dist.BroadcastOptions()
         opts.rootRank = ep.pg_rank_of(self.src, ep.source)
         opts.rootTensor = 0
         return ep.pg.broadcast([self.tensor], opts)
-
-    def result(self) -> list[torch.Tensor]:
-        return [self.tensor.detach().clone()]
-
-    def accept(self, tensors: list[torch.Tensor]) -> None:
-        self.tensor.copy_(tensors[0])
-
-    def finish(self) -> Any:
-        return None
 
 
 class AllGather:

@@ -98,12 +98,7 @@ class HealingSync(SyncCoordinator):
             stamps = [headers[r].stamp for r in present]
             deltas = sh.circle_deltas(stamps, headers[self.rank].stamp, period_ms)
             self.telemetry.record_arrival(-min(deltas), max(0.0, latency_s - max(deltas)) - min(deltas))
-        self.syncs += 1
-        if self.guard is not None:
-            try:
-                self.guard.on_headers(headers, self.rank, self.syncs)
-            except Exception:
-                log.exception("dsec: replica guard failed on a sync header")
+        self._synced(headers)
         proposals = {headers[r].admit for r in present if headers[r].has(sh.Flag.JOIN_KNOWN)}
         if len(proposals) == 1 and all(headers[r].has(sh.Flag.JOIN_KNOWN) for r in present):
             # Every member knew of the waiting replacement and proposed the same point: arm the admission.

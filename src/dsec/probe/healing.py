@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dsec.heal.membership import Plan
+from dsec.jsonsafe import json_safe as _json_safe
 from dsec.probe import heal_ops
 from dsec.probe.elastic import ElasticGroup, _advertised_host
 from dsec.probe.heal_client import HealClient, Identity
@@ -251,12 +252,6 @@ class _DoneWork:
         fut: Any = torch.futures.Future()
         fut.set_result(None)
         return fut
-
-
-def _json_safe(value: Any) -> Any:
-    from dsec.probe.replica_state import _json_safe as safe
-
-    return safe(value)
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:

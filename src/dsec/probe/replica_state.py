@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dsec.jsonsafe import json_safe as _json_safe
 from dsec.probe.replicas import fingerprint
 
 if TYPE_CHECKING:
@@ -29,20 +30,6 @@ TAG_STATE = 7_001
 
 class TransferError(Exception):
     """The received state does not match what the source sent (or could not be received)."""
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, (bool, int, str)) or value is None:
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else str(value)
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if hasattr(value, "numel") and value.numel() == 1:
-        return _json_safe(value.item())
-    return None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zstandard
 
+from dsec.jsonsafe import json_safe as _json_safe
 from dsec.snapshot import codec
 from dsec.snapshot.manifest import CorruptSnapshot, seal
 from dsec.snapshot.reader import Fallback, Loaded, load, load_latest, read_manifest
@@ -97,21 +98,6 @@ class _Job:
     ticket: Ticket
     staged: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
-
-
-def _json_safe(value: Any) -> Any:
-    """Optimizer hyper-parameters as JSON (tensors as numbers; anything else unrepresentable is dropped)."""
-    if isinstance(value, (bool, int, str)) or value is None:
-        return value
-    if isinstance(value, float):
-        return value if np.isfinite(value) else str(value)
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if hasattr(value, "numel") and value.numel() == 1:
-        return _json_safe(value.item())
-    return None
 
 
 def _unwrap(module: Any) -> Any:
