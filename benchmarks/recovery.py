@@ -131,9 +131,13 @@ def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
                         "memory_gb": 4,
                         "heal": mode == "heal",
                         "env": {"OMP_NUM_THREADS": "1", "DSEC_HEARTBEAT_INTERVAL": "0.25",
-                                "DSEC_STEP_TRACE": str(trace_dir), "DSEC_DRIFT_CHECK_STEPS": "5"},
+                                "DSEC_STEP_TRACE": str(trace_dir), "DSEC_DRIFT_CHECK_STEPS": "5",
+                                "DSEC_HEAL_JOURNAL": str(home / "journal")},
                         "command": [sys.executable, str(REPO / "examples" / "ppo_cartpole_ddp.py"),
-                                    "--max-seconds", "900", "--log-every", "0", "--target-return", "100000",
+                                    # No limit a rank decides on its own counter: a replacement counts from zero
+                                    # (docs/healing.md, "scripts must decide together").
+                                    "--max-seconds", "900", "--total-steps", "1000000000", "--log-every", "0",
+                                    "--target-return", "100000",
                                     "--stop-file", str(stop)],
                     }
                 ],
@@ -147,6 +151,7 @@ def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
         try:
             sup.start()
             since = time.time()
+            first_kill: float | None = None
             for run in range(runs):
                 # Warm: 4 PPO updates (128 steps) on every rank since the start or the last recovery, so the
                 # group's loop is known and a snapshot exists; standbys done importing, as between real failures.
@@ -158,6 +163,7 @@ def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
                 victim = (run + 1) % ranks
                 pid = launcher.pids("learners")[f"learners-{victim}"]
                 t_kill = time.time()
+                first_kill = first_kill or t_kill
                 os.kill(pid, signal.SIGKILL)
                 deadline = time.time() + 180
                 while len(recoveries) <= run and time.time() < deadline:
@@ -189,10 +195,21 @@ def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
     drift_checks = sum(int(w["metrics"].get("replica_checks_total", 0)) for w in workers)
     return summarize(
         rows,
+        step_ms_median=step_ms(trace_dir, first_kill or time.time()),
         replica_max_abs_diff=final[-1]["replica_max_abs_diff"] if final else None,
         drift_checks=drift_checks,
         drift_found=sum(1 for e in anomalies if e["data"].get("kind") == "replica_drift"),
     )
+
+
+def step_ms(trace_dir: Path, until: float) -> float | None:
+    """Median time between consecutive optimizer steps before the first kill (the cost of a mode's sync path:
+    under healing one collective per step, without overlap with backward())."""
+    gaps = []
+    for lines in traces(trace_dir).values():
+        ts = [ln["t"] for ln in lines if ln["t"] < until]
+        gaps += [b - a for a, b in itertools.pairwise(ts)]
+    return round(statistics.median(gaps) * 1e3, 2) if gaps else None
 
 
 def summarize(rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -300,3 +300,23 @@ def test_dsec_run_heal_zero_touch(cp: Harness, tmp_path: Path) -> None:
             proc.wait()
     assert json.loads((tmp_path / "out.json").read_text())["max_param_diff"] == 0.0
     assert "heal of default-1" in (tmp_path / "run.log").read_text()
+
+
+def test_ranks_whose_scripts_diverge_stop_instead_of_hanging(
+    cp: Harness, supervised: Callable[..., Any], tmp_path: Path
+) -> None:
+    # Each rank stops after 90 of its *own* updates: after a replacement joins, the survivors leave the loop while
+    # the replacement (its count started at zero) goes on — their collectives no longer pair. Without detection
+    # they would wait for each other forever (one collective timeout after another); healing sees members at the
+    # same point blocked in different collectives, stops them, and the group falls back to its agreed snapshots.
+    job = job_file(tmp_path, extra=("--local-limit", "90"))
+    job.groups[0].env["DSEC_HEAL_TIMEOUT_S"] = "3"
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job, recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    os.kill(launcher.pids("trainers")["trainers-1"], signal.SIGKILL)
+    supervise_until(sup, lambda: any(r.mode == "restart" for r in recoveries), 180, "the fallback restart")
+    logs = [e["data"] for e in cp.admin.all_events(types=["log"]) if e["data"].get("kind") == "heal"]
+    assert any(d["what"] == "diverged" for d in logs), [d["what"] for d in logs]
+    assert sup.run(timeout_s=120), sup.failed

@@ -68,6 +68,7 @@ class JoinBody(_Body):
     view: list[int] = Field(default_factory=list, max_length=MAX_WORLD)
     replacement: bool = False
     device: str | None = Field(None, max_length=128)
+    pending: str | None = Field(None, max_length=200)
 
 
 class AdmitBody(_Body):
@@ -214,6 +215,7 @@ class HealRegistry:
             view=tuple(body.view),
             replacement=body.replacement,
             device=body.device,
+            pending=body.pending,
         )
         held = r.group.members.get(j.rank)
         if not (held is not None and held.incarnation == j.incarnation and r.group.epoch > j.epoch):

@@ -63,6 +63,7 @@ class Join:
     view: tuple[int, ...] = ()  # members of that epoch, as it knows them (rebuilds a group the executor lost)
     replacement: bool = False
     device: str | None = None
+    pending: str | None = None  # the collective it is blocked at (its signature): members level with it must agree
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class Plan:
     joiners: tuple[int, ...] = ()  # replacements: they receive the model and optimizer state
     dead: tuple[int, ...] = ()  # ranks of the previous epoch that are gone
     reason: str = "start"  # start | failure | admission
+    # Members level with each other were blocked at different collectives: their scripts took different paths
+    # (a decision on a counter of their own, say). No epoch can pair them again; they must stop.
+    diverged: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +94,7 @@ class Plan:
             "joiners": list(self.joiners),
             "dead": list(self.dead),
             "reason": self.reason,
+            "diverged": self.diverged,
         }
 
     @classmethod
@@ -104,6 +109,7 @@ class Plan:
             joiners=tuple(int(r) for r in d.get("joiners", ())),
             dead=tuple(int(r) for r in d.get("dead", ())),
             reason=str(d.get("reason", "start")),
+            diverged=bool(d.get("diverged", False)),
         )
 
 
@@ -289,6 +295,8 @@ class Group:
             self.dead[r] = joins.pop(r).incarnation
         members = tuple(sorted(joins))
         source = min(r for r in members if r not in joiners and joins[r].completed == top)
+        level = {joins[r].pending for r in members if r not in joiners and joins[r].completed == top}
+        diverged = len(level - {None}) > 1
         previous = set(self.members)
         self.epoch += 1
         plan = Plan(
@@ -301,6 +309,7 @@ class Group:
             joiners=joiners,
             dead=tuple(sorted(r for r in previous if r not in joins)),
             reason=reason,
+            diverged=diverged,
         )
         self.members = joins
         self.joins = {}

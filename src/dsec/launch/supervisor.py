@@ -156,6 +156,7 @@ class Supervisor:
         self._healing: dict[str, Recovery] = {}  # worker -> heal waiting for its replacement's admission
         self.runs: dict[str, str] = {}  # healing group -> its current healing run
         self._live: dict[str, set[str]] = {}  # group -> workers started and not exited
+        self._unmovable: dict[str, list[str]] = {}  # group -> degraded devices it could not be moved off
         self._last_poll = time.time()
         self._last_device_check = 0.0
 
@@ -287,7 +288,11 @@ class Supervisor:
             return
         detect_s = max(0.0, e.at - previous)
         self._live.get(e.group, set()).discard(e.worker)
-        if e.group in self.runs and self._live.get(e.group) and self._heal(e, detect_s):
+        waiting = {w for w, r in self._healing.items() if r.group == e.group}
+        members = self._live.get(e.group, set()) - waiting - {e.worker}
+        # Healing needs a live member to carry the state: with none left (every rank died, or the ranks stopped
+        # together) the group restarts from its agreed snapshots instead.
+        if e.group in self.runs and members and self._heal(e, detect_s):
             return
         self._restart(e.group, e.worker, e.code, "exit", e.at, detect_s)
 
@@ -331,8 +336,22 @@ class Supervisor:
         rec.report = None
         return dict(out.get("view") or {})
 
+    def _finished_without(self, rec: Recovery) -> bool:
+        """Every rank of the group but the waiting replacement(s) finished cleanly: the job is done; a replacement
+        has nothing left to join."""
+        waiting = {w for w, r in self._healing.items() if r.group == rec.group}
+        others = {f"{rec.group}-{r}" for r in range(self._group(rec.group).world_size)} - waiting
+        return bool(others) and others <= self.done
+
     def _check_healed(self) -> None:
         for worker, rec in list(self._healing.items()):
+            if self._finished_without(rec):
+                log.info("group %s finished while %s's replacement waited: stopping it", rec.group, worker)
+                self.launcher.stop_group(rec.group)
+                self._live.pop(rec.group, None)
+                del self._healing[worker]
+                self.done.add(worker)
+                continue
             rank = int(worker.rsplit("-", 1)[1])
             if rec.report is not None:
                 self._report(rec)
@@ -409,15 +428,26 @@ class Supervisor:
         health = {d["id"]: d["health"] for d in self.client.devices()}
         mine = {a["worker"]: a["device"] for a in self.placement.get("assignments", [])}
         for g in self.job.groups:
-            if g.name in self._pending or g.name in self.failed:
+            if (
+                g.name in self._pending
+                or g.name in self.failed
+                or any(r.group == g.name for r in self._healing.values())
+            ):
                 continue
             bad = sorted({d for w, d in mine.items() if w.startswith(f"{g.name}-") and health.get(d) == "degraded"})
-            if bad:
+            if bad and self._unmovable.get(g.name) != bad:
                 self._migrate(g.name, bad)
 
     def _migrate(self, group: str, bad: list[str]) -> None:
         """Move a group off degraded devices: wait (bounded) for the snapshot the control plane requested, then
         stop, re-place (the degraded devices are excluded now) and restart from that snapshot."""
+        try:
+            placement = self._place()
+        except RuntimeError as exc:
+            # Nowhere to go (no spare healthy device): the group keeps running where it is rather than stopping.
+            self._unmovable[group] = bad
+            log.warning("group %s stays on degraded %s: %s", group, ", ".join(bad), exc)
+            return
         t0 = time.time()
         deadline = t0 + 10.0
         while time.time() < deadline:
@@ -425,6 +455,7 @@ class Supervisor:
             if any(any(str(r).startswith("degraded-") for r in e["data"].get("requests", [])) for e in snaps):
                 break
             time.sleep(0.1)
-        self.placement = self._place()
+        self.placement = placement
+        self._unmovable.pop(group, None)
         log.info("group %s moves off degraded %s", group, ", ".join(bad))
         self._restart(group, f"{group}-*", None, "degraded-device", time.time(), 0.0)

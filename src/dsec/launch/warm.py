@@ -48,6 +48,9 @@ def main(modules: list[str]) -> int:
     if not line:
         return 0  # released without a job
     order = json.loads(line)
+    # The order's environment is the worker's whole environment: replace ours (the standby was started with an
+    # earlier launch's, e.g. DSEC_RESTORE from a restart, which a replacement must not inherit).
+    os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
     if os.environ.get("DSEC_ENDPOINT"):
         try:

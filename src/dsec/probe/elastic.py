@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import socket
 import threading
 import time
@@ -104,6 +105,14 @@ class _Pending:
     submitted: float = field(default_factory=time.monotonic)
 
 
+class Diverged(RuntimeError):
+    """Members' scripts took different paths (different collectives at the same point): healing cannot continue."""
+
+
+def _signature(op: Any) -> str:
+    return str(op.sig) if getattr(op, "sig", None) is not None else f"dsec:{type(op).__name__}"
+
+
 def _advertised_host(target: str | None) -> str:
     """The address peers reach this process at: DSEC_HEAL_HOST, else the local address of the route to ``target``
     (the rendezvous host), else 127.0.0.1."""
@@ -164,6 +173,10 @@ class ElasticGroup:
         self._closed = False
         self.graveyard: list[Any] = []  # abandoned process groups (never destroyed: a stuck op would block it)
         self.heals: list[dict[str, Any]] = []  # timings of each reconfiguration (for reports and tests)
+        journal = os.environ.get("DSEC_HEAL_JOURNAL")  # a directory: one line per op (debugging a group's order)
+        if journal:
+            os.makedirs(journal, exist_ok=True)
+        self._journal = open(os.path.join(journal, f"ops-{os.getpid()}.log"), "a", buffering=1) if journal else None  # noqa: SIM115
         self._heal_thread = threading.Thread(target=self._heal_loop, name="dsec-heal", daemon=True)
         self._watch_thread = threading.Thread(target=self._watch_loop, name="dsec-heal-watch", daemon=True)
 
@@ -234,6 +247,8 @@ class ElasticGroup:
         a work that is already complete runs its callback inline."""
         ep = self.ep
         assert ep is not None
+        if self._journal is not None:
+            self._journal.write(f"{time.time():.4f} issue {self.completed} {p.op.sig} e{ep.epoch} r{self.rank}\n")
         p.epoch, p.state = ep.epoch, _State.PENDING
         self._inflight = p
         try:
@@ -337,6 +352,9 @@ class ElasticGroup:
             except HealUnavailable as exc:
                 self._event("unavailable", {"why": str(exc)})
                 p.fut.set_exception(RuntimeError(f"dsec: cannot heal, the control plane is unreachable: {exc}"))
+            except Diverged as exc:
+                self._event("diverged", {"why": str(exc)})
+                p.fut.set_exception(exc)
             except Exception as exc:
                 log.exception("dsec: healing failed")
                 p.fut.set_exception(RuntimeError(f"dsec: healing failed: {type(exc).__name__}: {exc}"))
@@ -362,6 +380,8 @@ class ElasticGroup:
             try:
                 received = self._adopt(plan, p)
                 break
+            except Diverged:
+                raise
             except (RuntimeError, TransferError) as exc:
                 log.warning("dsec: epoch %d could not be set up (%s); reporting it broken", plan.epoch, exc)
                 self.client.fail(plan.epoch, f"setting up epoch {plan.epoch} failed: {exc}")
@@ -402,11 +422,15 @@ class ElasticGroup:
             if out["status"] == "formed":
                 plan = out["plan"]
             else:  # broken meanwhile: join the next epoch instead
-                plan = self.client.join(self.address, self.completed, seen.epoch, view=seen.members)
+                plan = self.client.join(
+                    self.address, self.completed, seen.epoch, view=seen.members, pending=_signature(p.op)
+                )
         else:
             # The newest epoch this member was told of, even one it failed to set up: the control plane counts it
             # as a member there.
-            plan = self.client.join(self.address, self.completed, seen.epoch, view=seen.members)
+            plan = self.client.join(
+                self.address, self.completed, seen.epoch, view=seen.members, pending=_signature(p.op)
+            )
         self._seen_plan = plan
         return plan
 
@@ -425,6 +449,12 @@ class ElasticGroup:
         members = plan.members
         if self.rank not in members:
             raise FencedOut(f"rank {self.rank} is not a member of epoch {plan.epoch}")
+        if plan.diverged:
+            raise Diverged(
+                f"the ranks of epoch {plan.epoch - 1} were blocked at different collectives"
+                f" ({_signature(p.op) if p is not None else '?'} here):"
+                " their scripts took different paths, no process group can pair them again"
+            )
         prefix = f"dsec/{self.client.me.run}/e{plan.epoch}"
         pg = dist.ProcessGroupGloo(
             dist.PrefixStore(prefix, self._store(plan.store)), members.index(self.rank), len(members), self.timeout

@@ -90,6 +90,7 @@ class HealClient:
         epoch: int,
         view: tuple[int, ...] = (),
         replacement: bool = False,
+        pending: str | None = None,
     ) -> Plan:
         me = self.me
         body = {
@@ -104,6 +105,7 @@ class HealClient:
             "view": list(view),
             "replacement": replacement,
             "device": me.device,
+            "pending": pending,
         }
         while True:
             out = self._call("POST", "join", json=body)

@@ -146,3 +146,15 @@ def test_members_that_left_cleanly_are_not_waited_for() -> None:
     g.join(_join(0, completed=3, epoch=1), now=1.0)
     plan = _formed(g.join(_join(1, completed=3, epoch=1), now=1.0))
     assert plan.members == (0, 1)
+
+
+def test_members_level_with_each_other_at_different_collectives_have_diverged() -> None:
+    g = _started(3)
+    g.fail(1, now=1.0, dead_rank=2)
+    g.join(_join(0, completed=40, epoch=1, pending="all_gather:float32"), now=1.0)
+    plan = _formed(g.join(_join(1, completed=40, epoch=1, pending="grad"), now=1.0))
+    assert plan.diverged
+    g.fail(2, now=2.0, reason="again")
+    g.join(_join(0, completed=41, epoch=2, pending="grad"), now=2.0)
+    plan = _formed(g.join(_join(1, completed=40, epoch=2, pending="all_reduce:float64:sum"), now=2.0))
+    assert not plan.diverged  # one behind: a different collective is expected
