@@ -9,6 +9,7 @@ Exceptions::
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,10 +42,14 @@ class Client:
         token: str | None = None,
         timeout: float = 5.0,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """``verify``: for an https endpoint, the SSL context to trust it with (e.g.
+        ``ssl.create_default_context(cafile=...)`` for a private CA); the default trusts certifi's CAs, or the bundle
+        in ``SSL_CERT_FILE`` — which is how a probe started by ``dsec run`` trusts a private CA."""
         self.endpoint = endpoint.rstrip("/")
         self.token = token
-        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport, verify=verify)
 
     def close(self) -> None:
         self._http.close()
