@@ -132,21 +132,47 @@ def events(
 def token_create(
     pool: Annotated[str | None, typer.Option(help="Pool the token may register workers in.")] = None,
     admin: Annotated[bool, typer.Option("--admin", help="Create an admin token instead.")] = False,
+    read: Annotated[bool, typer.Option("--read", help="Create a read-only token (dashboards, status).")] = False,
     label: Annotated[str, typer.Option()] = "",
     endpoint: Endpoint = DEFAULT_ENDPOINT,
     admin_token: AdminToken = None,
 ) -> None:
     """Create a token; it is printed once (the control plane keeps only its hash)."""
-    if not admin and not pool:
-        raise fail(ValueError("give --pool P for a worker-registration token, or --admin"), 2)
+    kinds = [k for k, chosen in (("pool", bool(pool)), ("admin", admin), ("read", read)) if chosen]
+    if len(kinds) != 1:
+        raise fail(ValueError("give one of --pool P (a worker-registration token), --read or --admin"), 2)
     try:
         with admin_client(endpoint, admin_token) as c:
-            console.print(
-                c.create_token(pool=None if admin else pool, kind="admin" if admin else "pool", label=label),
-                soft_wrap=True,
-            )
+            console.print(c.create_token(pool=pool, kind=kinds[0], label=label), soft_wrap=True)
     except ClientError as exc:
         raise fail(exc) from None
+
+
+@token_app.command("ls")
+def token_ls(endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = None) -> None:
+    """Tokens created over the API: id, kind, pool, label (never the tokens themselves)."""
+    try:
+        with admin_client(endpoint, admin_token) as c:
+            items = c.tokens()
+    except ClientError as exc:
+        raise fail(exc) from None
+    for t in items:
+        console.print(f"{t['id']}  {t['kind']:<5}  {t['pool'] or '-':<16}  {t['label']}", markup=False)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The id `dsec token ls` shows.")],
+    endpoint: Endpoint = DEFAULT_ENDPOINT,
+    admin_token: AdminToken = None,
+) -> None:
+    """Revoke a token: requests with it are refused from now on."""
+    try:
+        with admin_client(endpoint, admin_token) as c:
+            c.revoke_token(token_id)
+    except ClientError as exc:
+        raise fail(exc) from None
+    console.print(f"revoked {token_id}")
 
 
 def _parse_assignment(text: str) -> tuple[str, Any]:

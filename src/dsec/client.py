@@ -193,8 +193,14 @@ class Client:
             cursor = int(page["next_cursor"])
 
     def create_token(self, pool: str | None = None, kind: str = "pool", label: str = "") -> str:
-        body = {"kind": kind, "pool": pool, "label": label}
+        body = {"kind": kind, "pool": pool if kind == "pool" else None, "label": label}
         return str(self.request("POST", "/v1/tokens", json=body)["token"])
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/tokens")["items"])
+
+    def revoke_token(self, token_id: str) -> None:
+        self.request("DELETE", f"/v1/tokens/{token_id}")
 
     def metrics_text(self) -> str:
         return str(self.request("GET", "/metrics"))
