@@ -42,17 +42,22 @@ def gauge(h: Harness, name: str, pool: str) -> float:
 # -- finding 1: metric names accumulate across beats -----------------------------------------------------------------
 def test_distinct_metric_names_per_worker_are_bounded(server: Harness) -> None:
     w = server.register("pool-a")
-    for seq in (1, 2):  # 2 x 512 new names: the default cap of 1024 exactly
-        names = {f"m{seq}_{i}": float(i) for i in range(512)}
+    for seq in (1, 2):  # 256 new names per beat: the default cap of 512 exactly
+        names = {f"m{seq}_{i}": float(i) for i in range(256)}
         assert beat(server, w, seq, metrics=names).status_code == 200
-    third = beat(server, w, 3, metrics={f"m3_{i}": 1.0 for i in range(512)})
+    third = beat(server, w, 3, metrics={"m1_0": 1.0, "one_more": 1.0})
     assert third.status_code == 422, third.text
-    assert third.json()["field"] == "metrics" and "1024" in third.json()["message"]
+    assert third.json()["field"] == "metrics" and "at most 512" in third.json()["message"]
     view = server.admin.worker(w.id)
-    assert len(view["metrics"]) == 1024 and view["last_seq"] == 2, "the refused beat applied nothing"
+    assert len(view["metrics"]) == 512 and view["last_seq"] == 2, "the refused beat applied nothing"
+    assert view["metrics"]["m1_0"] == 0.0
     # Names it already holds keep updating: the cap bounds new names, not reports.
-    again = beat(server, w, 3, metrics={"m1_0": 42.0, "m2_511": 7.0})
+    again = beat(server, w, 3, metrics={"m1_0": 42.0, "m2_255": 7.0})
     assert again.status_code == 200 and server.admin.worker(w.id)["metrics"]["m1_0"] == 42.0
+    # The same for as many beats as the worker likes: 500 beats of fresh names no longer accumulate.
+    for seq in range(4, 14):
+        assert beat(server, w, seq, metrics={f"fresh{seq}_{i}": 1.0 for i in range(512)}).status_code == 422
+    assert len(server.admin.worker(w.id)["metrics"]) == 512
 
 
 # -- finding 3: a pool token and another pool's device ---------------------------------------------------------------

@@ -63,10 +63,12 @@ class Settings:
     webhook_retry: RetryPolicy | None = None
 
     # -- limits that hold against a hostile token holder (docs/security.md) ------------------------------------
-    # Distinct metric names one worker may hold (a beat carries at most 512; names merge across beats).
-    max_metrics_per_worker: int = 1024
+    # Distinct metric names one worker may hold: as many as one beat may carry (names merge across beats, so without
+    # this the per-beat cap bounded nothing). With the per-token quota below it bounds what one pool token can make
+    # the control plane hold (4096 x 512 names).
+    max_metrics_per_worker: int = 512
     # Workers registered with one pool token and not deregistered (lost ones count: they may come back).
-    max_workers_per_token: int = 10_000
+    max_workers_per_token: int = 4096
     # Events one worker may send: a token bucket (per second, burst); beyond it a beat is answered 429.
     worker_events_per_s: float = 50.0
     worker_events_burst: int = 2000
