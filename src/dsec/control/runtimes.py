@@ -284,6 +284,9 @@ class RuntimeHub:
             error, refused = f"refused: {exc}", True
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # an unexpected failure must cost this attempt, not the delivery thread
+            log.exception("delivery %s to runtime %s failed unexpectedly", d.id, rt.id)
+            error = f"{type(exc).__name__}: {exc}"
         attempt = Attempt(self.clock(), status, error, round((time.perf_counter() - t0) * 1e3, 2), size, truncated)
         with self._cond:
             d.attempts.append(attempt)

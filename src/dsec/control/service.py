@@ -571,6 +571,7 @@ class ControlPlane:
                 w = self.state.workers.pop(wid)
                 self.state.worker_token_hashes.pop(w.token_hash, None)
                 self.state.restore_reports.get(w.pool, {}).pop(wid, None)
+                self.state.worker_meltdowns.pop(wid, None)
                 self.event_budget.forget(wid)
                 self.judge.forget(wid)
         pruned = 0
