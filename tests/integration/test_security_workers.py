@@ -87,6 +87,22 @@ def test_restore_time_out_of_range_is_refused(server: Harness) -> None:
     assert not server.admin.all_events(worker_id=w.id, types=["restore"])
 
 
+@pytest.mark.parametrize(
+    ("metrics", "name"),
+    [
+        ({"memory_used_gb": -1.0}, "memory_used_gb"),
+        ({"memory_used_gb": 1e9}, "memory_used_gb"),
+        ({"sync_ops_total": -5.0}, "sync_ops_total"),
+        ({"sync_ops_total": 10.0, "sync_ok_total": 1e15}, "sync_ok_total"),
+    ],
+)
+def test_figures_feeding_pool_gauges_must_be_plausible(server: Harness, metrics: dict[str, float], name: str) -> None:
+    w = server.register("pool-a")
+    r = beat(server, w, 1, metrics=metrics)
+    assert r.status_code == 422 and r.json()["field"] == "metrics" and name in r.json()["message"], r.text
+    assert server.admin.worker(w.id)["metrics"] == {}
+
+
 SLOW_RECOVERY_POLICY = (REPO / "examples/policies/slow-recovery-more-compression.yaml").read_text()
 
 

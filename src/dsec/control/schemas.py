@@ -27,6 +27,12 @@ MAX_EVENT_DATA_DEPTH = 8
 # A restore slower than an hour is not a snapshot restore; a larger figure is a bug or a lie, and the pool's
 # recovery time (which policies act on) is made of these.
 MAX_RESTORE_S = 3600.0
+# Well-known worker metrics that feed pool gauges, with the range a real worker reports them in.
+GAUGE_INPUTS = {
+    "memory_used_gb": (0.0, MAX_MEMORY_GB),
+    "sync_ops_total": (0.0, 2.0**53),
+    "sync_ok_total": (0.0, 2.0**53),
+}
 
 
 class Strict(BaseModel):
@@ -153,6 +159,19 @@ class HeartbeatRequest(Strict):
         default_factory=dict, max_length=MAX_METRICS
     )
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BEAT)
+
+    @field_validator("metrics")
+    @classmethod
+    def _gauge_inputs(cls, v: dict[str, float]) -> dict[str, float]:
+        """The metrics pool-wide gauges (and so policies) are computed from must be plausible: one worker's absurd
+        figure would otherwise move its whole pool's utilization or sync success rate."""
+        for name, (lo, hi) in GAUGE_INPUTS.items():
+            if name in v and not lo <= v[name] <= hi:
+                raise ValueError(f"{name}={v[name]!r} is out of range: expected a number in [{lo:g}, {hi:g}]")
+        ok, ops = v.get("sync_ok_total"), v.get("sync_ops_total")
+        if ok is not None and ops is not None and ok > ops:
+            raise ValueError(f"sync_ok_total={ok:g} exceeds sync_ops_total={ops:g} (successful syncs are a subset)")
+        return v
 
 
 class DirectivePatch(Strict):
