@@ -1,6 +1,8 @@
 """An agent runtime receiving DSec's policies: register with the control plane, report, and apply pushed policies.
 
-    dsec serve --cluster examples/cluster.yaml &
+    # This runtime listens on 127.0.0.1: the control plane refuses private destinations unless told otherwise, and a
+    # pool token registers runtimes only for allow-listed callback hosts (docs/security.md).
+    dsec serve --cluster examples/cluster.yaml --webhook-allow-private --webhook-allowed-host 127.0.0.1 &
     DSEC_TOKEN=$(dsec token create --pool pool-0) python examples/webhooks/runtime.py
     # in another shell: push a policy to it (admin token):
     #   curl -X POST -H "Authorization: Bearer $(cat ~/.dsec/admin.token)" -H 'Content-Type: application/json' \\

@@ -14,6 +14,7 @@ from rich.console import Console
 from dsec.cli_common import DEFAULT_ENDPOINT, AdminToken, Endpoint, admin_client, err, fail
 from dsec.cli_launch import launch, placement_app
 from dsec.cli_policy import metrics_app, policy_app
+from dsec.cli_serve import serve
 from dsec.cli_sim import simulate
 from dsec.cli_snapshots import snapshots_app
 from dsec.client import ClientError
@@ -33,80 +34,11 @@ app.add_typer(policy_app, name="policy")
 app.add_typer(metrics_app, name="metrics")
 app.add_typer(placement_app, name="placement")
 app.command("simulate")(simulate)
+app.command("serve")(serve)
 app.command("launch")(launch)
 
 # Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
 console = Console(width=None if sys.stdout.isatty() else 220)
-
-
-@app.command()
-def serve(
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 8080,
-    cluster: Annotated[Path | None, typer.Option(help="Cluster YAML (pools, devices).")] = None,
-    home: Annotated[Path | None, typer.Option(envvar="DSEC_HOME", help="State directory.")] = None,
-    database_url: Annotated[
-        str | None, typer.Option(envvar="DSEC_DATABASE_URL", help="SQLAlchemy URL (default SQLite in home).")
-    ] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
-    alert_webhook: Annotated[
-        list[str] | None,
-        typer.Option(
-            envvar="DSEC_ALERT_WEBHOOK",
-            help="Send alerts to this URL, signed (HMAC-SHA256) with the secret in DSEC_ALERT_SECRET. Repeatable.",
-        ),
-    ] = None,
-    policy: Annotated[
-        Path | None, typer.Option(help="Policy file (default: the last one applied with `dsec policy apply`).")
-    ] = None,
-) -> None:
-    """Run the control plane (uvicorn)."""
-    import secrets
-
-    import uvicorn
-
-    from dsec.control.app import create_app
-    from dsec.control.server import uvicorn_config
-    from dsec.control.settings import Settings
-    from dsec.control.store import StoreError
-
-    if policy is not None:
-        from dsec.policy import load_policies
-
-        try:
-            load_policies(policy)  # checked before anything starts: a typo in a rule starts nothing
-        except ConfigError as exc:
-            raise fail(exc, 2) from None
-    hooks = [u for u in (alert_webhook or []) if u]
-    secret = os.environ.get("DSEC_ALERT_SECRET", "")
-    if hooks and not secret:
-        raise fail(ValueError("--alert-webhook needs DSEC_ALERT_SECRET (the key alerts are signed with)"), 2)
-    settings = Settings.from_env(
-        home=home,
-        database_url=database_url,
-        host=host,
-        port=port,
-        cluster_file=cluster,
-        alert_webhooks=tuple((u, secret) for u in hooks),
-        policy_file=policy,
-    )
-    settings.home.mkdir(parents=True, exist_ok=True)
-    if settings.admin_token is None:
-        # No admin token configured: make one and leave it where the CLI looks (0600).
-        token_file = settings.home / "admin.token"
-        if not token_file.exists():
-            token_file.write_text("dsa_" + secrets.token_urlsafe(32) + "\n")
-            os.chmod(token_file, 0o600)
-        from dataclasses import replace
-
-        settings = replace(settings, admin_token=token_file.read_text().strip())
-        err.print(f"admin token in {token_file}", markup=False, soft_wrap=True)
-    try:
-        fastapi_app = create_app(settings)
-    except (ConfigError, StoreError) as exc:
-        raise fail(exc, 2) from None
-    err.print(f"DSec control plane on http://{host}:{port} (store: {settings.database_url.split('@')[-1]})")
-    uvicorn.Server(uvicorn_config(fastapi_app, host, port, log_level=log_level)).run()
 
 
 @app.command()
@@ -200,21 +132,47 @@ def events(
 def token_create(
     pool: Annotated[str | None, typer.Option(help="Pool the token may register workers in.")] = None,
     admin: Annotated[bool, typer.Option("--admin", help="Create an admin token instead.")] = False,
+    read: Annotated[bool, typer.Option("--read", help="Create a read-only token (dashboards, status).")] = False,
     label: Annotated[str, typer.Option()] = "",
     endpoint: Endpoint = DEFAULT_ENDPOINT,
     admin_token: AdminToken = None,
 ) -> None:
     """Create a token; it is printed once (the control plane keeps only its hash)."""
-    if not admin and not pool:
-        raise fail(ValueError("give --pool P for a worker-registration token, or --admin"), 2)
+    kinds = [k for k, chosen in (("pool", bool(pool)), ("admin", admin), ("read", read)) if chosen]
+    if len(kinds) != 1:
+        raise fail(ValueError("give one of --pool P (a worker-registration token), --read or --admin"), 2)
     try:
         with admin_client(endpoint, admin_token) as c:
-            console.print(
-                c.create_token(pool=None if admin else pool, kind="admin" if admin else "pool", label=label),
-                soft_wrap=True,
-            )
+            console.print(c.create_token(pool=pool, kind=kinds[0], label=label), soft_wrap=True)
     except ClientError as exc:
         raise fail(exc) from None
+
+
+@token_app.command("ls")
+def token_ls(endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = None) -> None:
+    """Tokens created over the API: id, kind, pool, label (never the tokens themselves)."""
+    try:
+        with admin_client(endpoint, admin_token) as c:
+            items = c.tokens()
+    except ClientError as exc:
+        raise fail(exc) from None
+    for t in items:
+        console.print(f"{t['id']}  {t['kind']:<5}  {t['pool'] or '-':<16}  {t['label']}", markup=False)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The id `dsec token ls` shows.")],
+    endpoint: Endpoint = DEFAULT_ENDPOINT,
+    admin_token: AdminToken = None,
+) -> None:
+    """Revoke a token: requests with it are refused from now on."""
+    try:
+        with admin_client(endpoint, admin_token) as c:
+            c.revoke_token(token_id)
+    except ClientError as exc:
+        raise fail(exc) from None
+    console.print(f"revoked {token_id}")
 
 
 def _parse_assignment(text: str) -> tuple[str, Any]:

@@ -16,7 +16,11 @@ err = Console(stderr=True)
 Endpoint = Annotated[str, typer.Option(envvar="DSEC_ENDPOINT", help="Control-plane URL.")]
 AdminToken = Annotated[
     str | None,
-    typer.Option(envvar="DSEC_ADMIN_TOKEN", show_default=False, help="Admin token (default: $DSEC_HOME/admin.token)."),
+    typer.Option(
+        envvar="DSEC_ADMIN_TOKEN",
+        show_default=False,
+        help="Admin token (default: $DSEC_HOME/admin.token); a read-only token does for commands that only read.",
+    ),
 ]
 DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
 

@@ -60,7 +60,10 @@ def ls(
 
     store = _store(root)
     workers = [worker] if worker else store.workers()
-    rows = [row for w in workers for row in listing(store, w)]
+    try:
+        rows = [row for w in workers for row in listing(store, w)]
+    except ValueError as exc:  # a worker name that cannot be in a store
+        raise fail(exc, 2) from None
     if as_json:
         for row in rows:
             out.print(json.dumps(row), markup=False, highlight=False, soft_wrap=True)

@@ -9,6 +9,7 @@ Exceptions::
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,10 +42,14 @@ class Client:
         token: str | None = None,
         timeout: float = 5.0,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """``verify``: for an https endpoint, the SSL context to trust it with (e.g.
+        ``ssl.create_default_context(cafile=...)`` for a private CA); the default trusts certifi's CAs, or the bundle
+        in ``SSL_CERT_FILE`` — which is how a probe started by ``dsec run`` trusts a private CA."""
         self.endpoint = endpoint.rstrip("/")
         self.token = token
-        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport, verify=verify)
 
     def close(self) -> None:
         self._http.close()
@@ -188,8 +193,14 @@ class Client:
             cursor = int(page["next_cursor"])
 
     def create_token(self, pool: str | None = None, kind: str = "pool", label: str = "") -> str:
-        body = {"kind": kind, "pool": pool, "label": label}
+        body = {"kind": kind, "pool": pool if kind == "pool" else None, "label": label}
         return str(self.request("POST", "/v1/tokens", json=body)["token"])
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/tokens")["items"])
+
+    def revoke_token(self, token_id: str) -> None:
+        self.request("DELETE", f"/v1/tokens/{token_id}")
 
     def metrics_text(self) -> str:
         return str(self.request("GET", "/metrics"))

@@ -422,12 +422,15 @@ def test_small_chunked_body_is_accepted(api: Api, worker: Worker) -> None:
 
 # -- unknown ids, paths and query parameters -----------------------------------------------------------
 def test_unknown_worker_id_is_404(api: Api, worker: Worker) -> None:
-    body = rejected(api.beat(Worker("w-doesnotexist", worker.token, "pool-a", {}), {"seq": 1}), 404, "worker_id")
+    # An admin learns that an id does not exist; a worker token is authenticated first and learns nothing: an
+    # unknown id answers the same 403 as another worker's (docs/security.md, finding 9).
+    body = rejected(api.beat(Worker("w-doesnotexist", worker.token, "pool-a", {}), {"seq": 1}), 403, "worker_id")
     assert "w-doesnotexist" in body["message"]
     rejected(api.admin("GET", "/v1/workers/w-doesnotexist"), 404, "worker_id")
     rejected(api.admin("GET", "/v1/workers/w-doesnotexist/directive"), 404, "worker_id")
     rejected(api.admin("PATCH", "/v1/workers/w-doesnotexist/directive", json={"precision": "bf16"}), 404, "worker_id")
-    rejected(api.call("POST", "/v1/workers/w-doesnotexist/deregister", worker.token), 404, "worker_id")
+    rejected(api.admin("POST", "/v1/workers/w-doesnotexist/deregister"), 404, "worker_id")
+    rejected(api.call("POST", "/v1/workers/w-doesnotexist/deregister", worker.token), 403, "worker_id")
 
 
 def test_unknown_pool_is_404(api: Api) -> None:
@@ -494,7 +497,8 @@ def test_exact_retry_of_last_seq_is_a_duplicate_and_not_applied_twice(api: Api, 
     assert changed.status_code == 200 and changed.json()["duplicate"] is True
 
     alerts = [e for e in api.events_of(worker) if e["type"] == "alert"]
-    assert len(alerts) == 1 and alerts[0]["data"] == {"marker": marker}
+    # Recorded as the worker sent it, attributed to the worker (docs/security.md, finding 6).
+    assert len(alerts) == 1 and alerts[0]["data"] == {"marker": marker, "source": "worker"}
     assert not [e for e in api.events_of(worker) if e["type"] == "log"]
     view = api.worker_view(worker)
     assert view["beats"] == 1 and view["last_seq"] == 1 and view["metrics"] == {"loss": 0.5}
@@ -549,6 +553,7 @@ def test_worker_token_cannot_heartbeat_as_a_worker_of_another_pool(api: Api) -> 
     b = api.new_worker("pool-b")
     body = rejected(api.beat(b, {"seq": 1, "metrics": {"x": 1.0}}, token=a.token), 403, "worker_id")
     assert a.id in body["message"] and b.id in body["message"]
+    assert "pool-b" not in body["message"], "a 403 must not tell a worker where another worker runs"
     view = api.worker_view(b)
     assert view["last_seq"] == 0 and view["metrics"] == {}
     # ... nor as another worker of its own pool, nor read or deregister it.

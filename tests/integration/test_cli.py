@@ -109,3 +109,25 @@ def test_serve_runs_as_a_process_and_writes_admin_token(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_token_read_ls_and_revoke(server: ServerThread) -> None:
+    read = _run(server, "token", "create", "--read", "--label", "dashboard").strip()
+    assert read.startswith("dsv_")
+    pool = _run(server, "token", "create", "--pool", "pool-1").strip()
+    listed = _run(server, "token", "ls")
+    assert "dashboard" in listed and read not in listed and pool not in listed
+    # A read-only token serves `dsec status`; it cannot create tokens.
+    result = CliRunner().invoke(app, ["status"], env={"DSEC_ENDPOINT": server.url, "DSEC_ADMIN_TOKEN": read})
+    assert result.exit_code == 0 and "pool-7" in result.output
+    result = CliRunner().invoke(app, ["token", "create", "--read"], env={"DSEC_ENDPOINT": server.url,
+                                                                       "DSEC_ADMIN_TOKEN": read})  # fmt: skip
+    assert result.exit_code == 1 and "403" in result.output
+    read_id = next(line.split()[0] for line in listed.splitlines() if "dashboard" in line)
+    assert f"revoked {read_id}" in _run(server, "token", "revoke", read_id)
+    result = CliRunner().invoke(app, ["status"], env={"DSEC_ENDPOINT": server.url, "DSEC_ADMIN_TOKEN": read})
+    assert result.exit_code == 1 and "403" in result.output
+    result = CliRunner().invoke(
+        app, ["token", "create", "--read", "--pool", "pool-1"], env={"DSEC_ENDPOINT": server.url}
+    )
+    assert result.exit_code == 2

@@ -69,7 +69,10 @@ def test_bad_input_and_authorization(server: Harness) -> None:
         assert r.status_code == 403
         r = c.post("/v1/heal/bad run/join", json=good, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code in (404, 422)
+        # An unknown run answers a pool token like another pool's run (runs cannot be probed for); an admin: 404.
         r = c.get("/v1/heal/unknown", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 403
+        r = c.get("/v1/heal/unknown", headers={"Authorization": f"Bearer {server.admin_token}"})
         assert r.status_code == 404
         r = c.post("/v1/heal/r2/join", json=good)
         assert r.status_code == 401
@@ -113,11 +116,11 @@ def test_epochs_never_repeat_across_a_restart(server_factory: Callable[..., Harn
 
 
 @pytest.mark.parametrize("path", ["admit", "leave"])
-def test_unknown_runs_are_404(server: Harness, path: str) -> None:
+def test_unknown_runs_are_refused_before_anything_is_looked_up(server: Harness, path: str) -> None:
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
             f"/v1/heal/nope/{path}",
             json={"rank": 0, "incarnation": "z", **({"epoch": 1, "completed": 0} if path == "admit" else {})},
             headers={"Authorization": f"Bearer {server.pool_tokens['pool-a']}"},
         )
-    assert r.status_code == 404
+    assert r.status_code == 403

@@ -28,8 +28,9 @@ def test_same_answers_on_both_paths(server_factory: Callable[..., Harness], tmp_
         assert broken.status_code == 422 and broken.json()["field"] == "body"
         old = http.post(url, json={"seq": 0}, headers=auth)
         assert old.status_code == 422 and old.json()["field"] == "seq"
+        # A worker token is authenticated before the id is looked up: an unknown id is as forbidden as another's.
         unknown = http.post("/v1/workers/w-nope/heartbeat", json={"seq": 1}, headers=auth)
-        assert unknown.status_code == 404 and unknown.json()["field"] == "worker_id"
+        assert unknown.status_code == 403 and unknown.json()["field"] == "worker_id"
         anonymous = http.post(url, json={"seq": 2})
         assert anonymous.status_code == 401
         metrics = http.get("/metrics").text

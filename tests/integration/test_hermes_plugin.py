@@ -716,7 +716,7 @@ def test_hermes_agent_runs_reported_through_hermes_own_plugin_loader(
 
     events = h.admin.all_events(worker_id=w["id"])
     stuck = [e["data"] for e in events if e["type"] == "anomaly"]
-    assert stuck == [{"kind": "episode_stuck", "reason": "tool_failure", "count": 2}]
+    assert stuck == [{"kind": "episode_stuck", "reason": "tool_failure", "count": 2, "source": "worker"}]
     alerts = [e["data"]["name"] for e in events if e["type"] == "alert"]
     assert "hermes.actor0_episode_stuck_tool_failure_2x" in alerts
     assert events[0]["type"] == "registered" and events[-1]["type"] == "deregistered"

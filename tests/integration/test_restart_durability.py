@@ -295,7 +295,7 @@ def test_reporter_end_to_end_fail_static_and_resync(server_factory: Factory, tmp
         assert reporter.directive["compression_bits"] == 8  # earlier changes are kept
         # What was reported during the outage arrived once the control plane was back.
         alerts = wait_for(lambda: h.admin.all_events(worker_id=wid, types=["alert"]), what="outage event")
-        assert [e["data"] for e in alerts] == [{"msg": "during outage"}]
+        assert [e["data"] for e in alerts] == [{"msg": "during outage", "source": "worker"}]
         wait_for(lambda: h.admin.worker(wid)["metrics"].get("memory_used_gb") == 4.0, what="outage gauge")
         assert h.admin.worker(wid)["metrics"]["steps"] == 5.0
         assert types_of(h.admin.all_events(worker_id=wid, types=["registered"])) == ["registered"]
@@ -335,6 +335,6 @@ def test_reporter_started_while_the_control_plane_is_down(server_factory: Factor
         assert h.admin.worker(wid)["pool"] == "pool-a"
         assert reporter.applied_version == 1
         logs = wait_for(lambda: h.admin.all_events(worker_id=wid, types=["log"]), what="buffered event")
-        assert [e["data"] for e in logs] == [{"msg": "early"}]
+        assert [e["data"] for e in logs] == [{"msg": "early", "source": "worker"}]
     finally:
         reporter.close()

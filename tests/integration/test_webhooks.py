@@ -69,7 +69,11 @@ def receiver(tmp_path: Path) -> Iterator[Receiver]:
 
 @pytest.fixture
 def cp(server_factory: Callable[..., Harness], tmp_path: Path) -> Harness:
-    return server_factory(settings=make_settings(tmp_path / "cp", webhook_retry=FAST), pools=True)
+    # The receivers here are on loopback, and runtimes register with a pool token: both must be allowed explicitly.
+    settings = make_settings(
+        tmp_path / "cp", webhook_retry=FAST, webhook_allow_private=True, webhook_allowed_hosts=("127.0.0.1",)
+    )
+    return server_factory(settings=settings, pools=True)
 
 
 def register(cp: Harness, receiver: Receiver, **over: Any) -> dict[str, Any]:

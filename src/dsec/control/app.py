@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Header, Path, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,6 +19,8 @@ from starlette.responses import Response
 from dsec import __version__
 from dsec.control import auth, errors
 from dsec.control.auth import bearer
+from dsec.control.deps import Auth, PoolName, TokenId, WorkerId
+from dsec.control.deps import cp_of as _cp
 from dsec.control.errors import ApiError
 from dsec.control.healing import HealRegistry, epochs_from_store, heal_routes
 from dsec.control.http import (
@@ -31,34 +33,29 @@ from dsec.control.http import (
 )
 from dsec.control.ingest import HeartbeatShortcut, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
+from dsec.control.ratelimit import RateLimit, RateLimiter
+from dsec.control.runtime_routes import runtime_routes
 from dsec.control.schemas import (
-    NAME_PATTERN,
     ClusterSpec,
     DeviceSpec,
     DirectivePatch,
     EventRecord,
     HeartbeatRequest,
     PlacementRequest,
-    PolicyPush,
     PolicyUpload,
     PoolUpdate,
     RegisterRequest,
-    RuntimeRegister,
-    RuntimeReport,
     TokenCreate,
 )
 from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import EventQuery, Store, open_store
+from dsec.fsutil import private_dir
 from dsec.model import Device, DeviceHealth, Event, EventType, ModelError, Pool, PoolThresholds, WorkerState
 from dsec.scheduler.placement import job_from_dict
 from dsec.yamlconf import ConfigError, load_file
 
 log = logging.getLogger(__name__)
-
-Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
-WorkerId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
-PoolName = Annotated[str, Path(pattern=NAME_PATTERN)]
 
 
 def pool_from_spec(name: str, spec: Any) -> Pool:
@@ -90,11 +87,6 @@ def device_from_spec(spec: DeviceSpec) -> Device:
 def load_cluster(path: Any) -> tuple[list[Pool], list[Device]]:
     spec = load_file(ClusterSpec, path)
     return [pool_from_spec(p.name, p) for p in spec.pools], [device_from_spec(d) for d in spec.devices]
-
-
-def _cp(request: Request) -> ControlPlane:
-    cp: ControlPlane = request.app.state.cp
-    return cp
 
 
 def worker_routes() -> APIRouter:
@@ -141,7 +133,7 @@ def worker_routes() -> APIRouter:
         state: WorkerState | None = None,
     ) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         ws = [
             cp.worker_api(w)
             for w in cp.state.workers.values()
@@ -153,14 +145,14 @@ def worker_routes() -> APIRouter:
     @r.get("/{worker_id}")
     async def get_worker(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
-        return JSON(cp.worker_api(cp.worker_for(worker_id, bearer(authorization))))
+        cp.require_read(bearer(authorization))
+        return JSON(cp.worker_api(cp.worker_for(worker_id, bearer(authorization), read=True)))
 
     @r.get("/{worker_id}/directive")
     async def get_directive(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
         """Desired vs acked directive of one worker (the worker itself may read it too)."""
         cp = _cp(request)
-        return JSON(cp.directive_api(cp.worker_for(worker_id, bearer(authorization))))
+        return JSON(cp.directive_api(cp.worker_for(worker_id, bearer(authorization), read=True)))
 
     @r.patch("/{worker_id}/directive")
     async def patch_directive(
@@ -185,13 +177,13 @@ def admin_routes() -> APIRouter:
     @r.get("/pools")
     async def list_pools(request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON({"items": [p.to_dict() for p in sorted(cp.state.pools.values(), key=lambda p: p.name)]})
 
     @r.get("/pools/{name}")
     async def get_pool(name: PoolName, request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         pool = cp.state.pools.get(name)
         if pool is None:
             raise errors.not_found("pool", name, "name")
@@ -214,7 +206,7 @@ def admin_routes() -> APIRouter:
     @r.get("/devices")
     async def list_devices(request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON({"items": [d.to_dict() for d in sorted(cp.state.devices.values(), key=lambda d: d.id)]})
 
     @r.put("/devices/{device_id}")
@@ -241,7 +233,7 @@ def admin_routes() -> APIRouter:
     ) -> Response:
         """Events filtered by worker, pool, type and time range [since, until); keyset-paginated."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         q = EventQuery(
             worker_id=worker_id,
             pool=pool,
@@ -257,23 +249,41 @@ def admin_routes() -> APIRouter:
 
     @r.post("/tokens", status_code=201)
     async def create_token(body: TokenCreate, request: Request, authorization: Auth = None) -> Response:
-        """Create a pool (worker registration) or admin token. The token is shown once; only its hash is kept."""
+        """Create a pool (worker registration), read-only or admin token. The token is shown once; only its hash is
+        kept; ``id`` names it for ``DELETE /v1/tokens/{id}``."""
         cp = _cp(request)
         cp.require_admin(bearer(authorization))
         token = await cp.create_token(body.kind, body.pool, body.label)
-        return JSON({"token": token, "kind": body.kind, "pool": body.pool}, status_code=201)
+        token_id = auth.token_id(auth.hash_token(token))
+        return JSON({"token": token, "id": token_id, "kind": body.kind, "pool": body.pool}, status_code=201)
+
+    @r.get("/tokens")
+    async def list_tokens(request: Request, authorization: Auth = None) -> Response:
+        """The tokens created through the API (never the tokens themselves): id, kind, pool, label, created_at."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        return JSON({"items": await cp.list_tokens()})
+
+    @r.delete("/tokens/{token_id}", status_code=204)
+    async def revoke_token(token_id: TokenId, request: Request, authorization: Auth = None) -> Response:
+        """Revoke a token at once (requests with it answer 403). Workers registered with a revoked pool token keep
+        their own worker tokens; deregister them to stop them."""
+        cp = _cp(request)
+        cp.require_admin(bearer(authorization))
+        await cp.revoke_token(token_id)
+        return Response(status_code=204)
 
     @r.get("/status")
     async def status(request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON(cp.status())
 
     @r.get("/policies")
     async def get_policies(request: Request, authorization: Auth = None) -> Response:
         """The rules in force and each rule's state per scope."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON(cp.policies.status())
 
     @r.put("/policies")
@@ -303,14 +313,14 @@ def admin_routes() -> APIRouter:
     @r.get("/placements")
     async def list_placements(request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON({"items": [p.to_dict() for _, p in sorted(cp.scheduler.placements.items())]})
 
     @r.get("/placements/{job}")
     async def get_placement(job: PoolName, request: Request, authorization: Auth = None) -> Response:
         """A placement and its explanation."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         placement = cp.scheduler.placements.get(job)
         if placement is None:
             raise errors.not_found("placement", job, "job")
@@ -329,7 +339,7 @@ def admin_routes() -> APIRouter:
     async def device_profiles(request: Request, authorization: Auth = None) -> Response:
         """Device personalities learned from history: per device and load class, and per worker and model."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON(cp.scheduler.profiles.to_dict())
 
     @r.post("/events", status_code=201)
@@ -341,79 +351,11 @@ def admin_routes() -> APIRouter:
         (event_id,) = await cp.record_events([ev])
         return JSON({"id": event_id}, status_code=201)
 
-    @r.post("/runtimes", status_code=201)
-    async def register_runtime(body: RuntimeRegister, request: Request, authorization: Auth = None) -> Response:
-        """Register an agent runtime (admin token, or a pool token for its own pool); answers its runtime token,
-        shown once."""
-        cp = _cp(request)
-        token = bearer(authorization)
-        token_pool = cp.pool_of_token(token)
-        if token_pool is not None:
-            if body.pool not in (None, token_pool):
-                raise errors.forbidden(f"this token belongs to pool {token_pool!r}, not pool {body.pool!r}", "pool")
-        else:
-            cp.require_admin(token)
-        pool = body.pool or token_pool
-        if pool is not None and pool not in cp.state.pools:
-            raise errors.not_found("pool", pool, "pool")
-        runtime_token = auth.new_token(auth.RUNTIME_PREFIX)
-        rt = cp.runtimes.register(
-            body.name, body.type, body.callback_url, body.secret, pool, auth.hash_token(runtime_token)
-        )
-        return JSON({**rt.to_api(), "runtime_token": runtime_token}, status_code=201)
-
-    def _runtime(cp: ControlPlane, runtime_id: str) -> Any:
-        rt = cp.runtimes.runtimes.get(runtime_id)
-        if rt is None:
-            raise errors.not_found("runtime", runtime_id, "runtime_id")
-        return rt
-
-    @r.post("/runtimes/{runtime_id}/report")
-    async def runtime_report(
-        runtime_id: WorkerId, body: RuntimeReport, request: Request, authorization: Auth = None
-    ) -> Response:
-        """A runtime's report: concurrent agent instances, average LLM-call latency, function calling on/off."""
-        cp = _cp(request)
-        token = bearer(authorization)
-        if token is None:
-            raise errors.unauthorized()
-        rt = _runtime(cp, runtime_id)
-        if not (auth.same_hash(auth.hash_token(token), rt.token_hash) or cp.is_admin(token)):
-            raise errors.forbidden("this token does not belong to this runtime")
-        cp.runtimes.record_report(rt, body.model_dump())
-        pending = sum(1 for d in cp.runtimes.deliveries_of(rt.id) if d.status == "pending")
-        return JSON({"ok": True, "pending_deliveries": pending})
-
-    @r.get("/runtimes")
-    async def list_runtimes(request: Request, authorization: Auth = None) -> Response:
-        cp = _cp(request)
-        cp.require_admin(bearer(authorization))
-        return JSON({"items": [rt.to_api() for rt in sorted(cp.runtimes.runtimes.values(), key=lambda r: r.id)]})
-
-    @r.post("/runtimes/{runtime_id}/policies", status_code=202)
-    async def push_policy(
-        runtime_id: WorkerId, body: PolicyPush, request: Request, authorization: Auth = None
-    ) -> Response:
-        """Push a policy to a runtime's callback: signed, retried with backoff; answers the delivery to follow."""
-        cp = _cp(request)
-        cp.require_admin(bearer(authorization))
-        rt = _runtime(cp, runtime_id)
-        d = cp.runtimes.push(rt.id, body.model_dump())
-        return JSON(d.to_api(), status_code=202)
-
-    @r.get("/runtimes/{runtime_id}/deliveries")
-    async def runtime_deliveries(runtime_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
-        """The delivery log: every push with its attempts (time, HTTP status or error, duration) and outcome."""
-        cp = _cp(request)
-        cp.require_admin(bearer(authorization))
-        rt = _runtime(cp, runtime_id)
-        return JSON({"items": [d.to_api() for d in cp.runtimes.deliveries_of(rt.id)]})
-
     @r.get("/metrics/series")
     async def metric_series(request: Request, authorization: Auth = None) -> Response:
         """The sampled gauge history the policies read (what `dsec metrics export` saves)."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
+        cp.require_read(bearer(authorization))
         return JSON(cp.policies.series.export())
 
     return r
@@ -433,8 +375,10 @@ def ops_routes() -> APIRouter:
         cp = _cp(request)
         try:
             await asyncio.to_thread(cp.store.list_pools)
-        except Exception as exc:
-            return JSON({"status": "unavailable", "reason": str(exc)}, status_code=503)
+        except Exception:
+            # The store's error names hosts, paths and SQL; it goes to the log, not to whoever asks without a token.
+            log.exception("readiness check: the store does not answer")
+            return JSON({"status": "unavailable", "reason": "state store unavailable"}, status_code=503)
         if not cp.writer_alive():
             return JSON({"status": "unavailable", "reason": "writer thread stopped"}, status_code=503)
         return JSON({"status": "ready", "workers": len(cp.state.workers), "pools": len(cp.state.pools)})
@@ -452,6 +396,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     # The cluster file is checked before anything is opened: a typo in it starts nothing.
     cluster = load_cluster(settings.cluster_file) if settings.cluster_file is not None else None
     owned_store = store is None
+    private_dir(settings.home)  # it holds the applied policies and, for SQLite, the database: 0700 when created
     store = store or open_store(settings.database_url)
     cp = ControlPlane(settings, store, clock)
     if cluster is not None:
@@ -470,11 +415,13 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             if owned_store:
                 store.close()
 
+    docs = {} if settings.api_docs else {"docs_url": None, "redoc_url": None}
     app = FastAPI(
         title="DSec control plane",
         version=__version__,
         lifespan=lifespan,
         description="Worker protocol and admin API; see docs/protocol.md.",
+        **docs,  # type: ignore[arg-type]
     )
     app.state.cp = cp
     app.state.settings = settings
@@ -497,6 +444,10 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             lambda request: request.app.state.heal,
             lambda request, token: (_cp(request).pool_of_token(token), _cp(request).is_admin(token)),
         )
+    )
+    app.include_router(runtime_routes())
+    app.add_middleware(
+        RateLimit, kind_of=cp.access.kind, limiter=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     )
     app.add_middleware(BodyLimitAndMetrics, max_body_bytes=settings.max_body_bytes, metrics=app.state.metrics)
     # What the server runs: the shortcut in front of the whole FastAPI app (its middleware stack included),

@@ -12,8 +12,10 @@ import secrets
 
 ADMIN_PREFIX = "dsa_"
 POOL_PREFIX = "dsp_"
+READ_PREFIX = "dsv_"  # read-only ("view"): dashboards, `dsec status`
 RUNTIME_PREFIX = "dsr_"
 WORKER_PREFIX = "dsw_"
+PREFIXES = {"admin": ADMIN_PREFIX, "pool": POOL_PREFIX, "read": READ_PREFIX}
 
 
 def new_token(prefix: str) -> str:
@@ -22,6 +24,11 @@ def new_token(prefix: str) -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_id(token_hash: str) -> str:
+    """A token's public name (for listing and revoking): the first 64 bits of its hash, which reveal nothing of it."""
+    return token_hash[:16]
 
 
 def same_hash(a: str, b: str) -> bool:

@@ -7,6 +7,7 @@ One computation for two readers: the Prometheus collector (at scrape time) and t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,18 @@ class WorkerGauges:
     level: float
 
 
+def pool_recovery_s(reports: Mapping[str, float], active_workers: int, min_reporters: int) -> float:
+    """A pool's recovery time from its workers' latest reported restore times: their lower median, once at least
+    ``min_reporters`` distinct workers reported (or every active worker of a smaller pool); NaN before.
+
+    Workers report it, and policies change the whole pool on it: one worker (a bug, or a token in the wrong hands)
+    must not move it. The lower median cannot be raised by any minority of reporters."""
+    values = sorted(reports.values())
+    if not values or len(values) < max(1, min(min_reporters, active_workers)):
+        return math.nan
+    return values[(len(values) - 1) // 2]
+
+
 def pool_gauges(cp: ControlPlane) -> dict[str, PoolGauges]:
     st = cp.state
     by_pool: dict[str, list[LiveWorker]] = {name: [] for name in st.pools}
@@ -56,7 +69,9 @@ def pool_gauges(cp: ControlPlane) -> dict[str, PoolGauges]:
         g = PoolGauges(
             utilization=sum(ratios) / len(ratios) if ratios else 0.0,
             sync_success=ok / ops if ops > 0 else math.nan,
-            recovery_s=st.last_recovery_s.get(pool, math.nan),
+            recovery_s=pool_recovery_s(
+                st.restore_reports.get(pool, {}), len(active), cp.settings.restore_min_reporters
+            ),
             meltdowns=float(st.meltdowns.get(pool, 0)),
             workers={s: sum(1 for w in ws if w.state is s) for s in WorkerState},
             pending=sum(1 for w in active if w.acked_version != w.directive.version),

@@ -124,10 +124,15 @@ class HealRegistry:
         self._epochs = dict(epochs or {})  # run -> highest epoch recorded (from the store at start)
 
     # -- access -------------------------------------------------------------------------------------------
-    def _get(self, run: str) -> _Run:
+    def _get(self, run: str, token_pool: str | None, admin: bool) -> _Run:
+        """The run, for a caller allowed to see it. Authentication comes first: to a non-admin token an unknown run
+        answers like another pool's (403), so runs cannot be probed for."""
         r = self.runs.get(run)
         if r is None:
+            if not admin:
+                raise errors.forbidden("this token may not act on this run")
             raise errors.not_found("healing run", run, "run")
+        self._authorize(r, None, token_pool, admin)
         return r
 
     def _get_or_create(self, run: str, pool: str, group: str, world: int) -> _Run:
@@ -251,8 +256,7 @@ class HealRegistry:
         admin: bool,
         gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> dict[str, Any]:
-        r = self._get(run)
-        self._authorize(r, None, token_pool, admin)
+        r = self._get(run, token_pool, admin)
         start_epoch = r.group.epoch
         try:
             notes = r.group.admit(body.rank, body.incarnation, body.epoch, body.completed, self._clock())
@@ -306,8 +310,7 @@ class HealRegistry:
         return {"status": "ok", "view": r.group.view(), "version": r.version}
 
     async def leave(self, run: str, body: LeaveBody, token_pool: str | None, admin: bool) -> dict[str, Any]:
-        r = self._get(run)
-        self._authorize(r, None, token_pool, admin)
+        r = self._get(run, token_pool, admin)
         try:
             notes = r.group.leave(body.rank, body.incarnation)
         except Invalid as exc:
@@ -324,14 +327,12 @@ class HealRegistry:
         timeout: float,
         gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> dict[str, Any]:
-        r = self._get(run)
-        self._authorize(r, None, token_pool, admin)
+        r = self._get(run, token_pool, admin)
         await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s), gone)
         return {"version": r.version, **r.group.view()}
 
     def state(self, run: str, token_pool: str | None, admin: bool) -> dict[str, Any]:
-        r = self._get(run)
-        self._authorize(r, None, token_pool, admin)
+        r = self._get(run, token_pool, admin)
         plan = r.group.plan.to_dict() if r.group.plan is not None else None
         return {
             "run": r.run,

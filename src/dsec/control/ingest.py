@@ -37,7 +37,14 @@ _WORKER_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 async def handle_heartbeat(
     cp: ControlPlane, metrics: ControlPlaneMetrics, worker_id: str, authorization: str | None, body: bytes
 ) -> tuple[int, dict[str, Any]]:
-    """(status, JSON body) for one heartbeat request; never raises for bad input."""
+    """(status, JSON body) for one heartbeat request; never raises for bad input.
+
+    The token is checked before the body is parsed: parsing costs more than the check, and only the worker itself
+    may make the control plane spend it."""
+    try:
+        w = cp.worker_for(worker_id, bearer(authorization))
+    except ApiError as exc:
+        return exc.status, exc.body()
     try:
         req = HeartbeatRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -45,7 +52,6 @@ async def handle_heartbeat(
         message = "; ".join(f"{d['field']}: {d['message']}" for d in details[:5])
         return 422, {"error": "invalid", "message": message, "field": details[0]["field"], "details": details}
     try:
-        w = cp.worker_for(worker_id, bearer(authorization))
         answer = await cp.heartbeat(w, req)
     except ApiError as exc:
         return exc.status, exc.body()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.alerts import Alert, AlertRouter, Severity
 from dsec.breaker import Action, Breaker, BreakerConfig, Caps, Sample, Transition, fields_for
+from dsec.control.worker_alerts import worker_alert
 from dsec.health.fleet import FleetConfig, PeerSample, compare
 from dsec.health.interventions import PrecisionGuard, agent_name, stuck_episode
 from dsec.model import Event, EventType, Pool, PoolThresholds, WorkerState
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from dsec.control.state import HotState, LiveWorker
 
 log = logging.getLogger(__name__)
+
+SOURCE = "control_plane"  # data.source of the alert events the control plane raises
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,17 @@ def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:
 
 
 class Judge:
-    def __init__(self, state: HotState, config: JudgeConfig | None = None, router: AlertRouter | None = None) -> None:
+    def __init__(
+        self,
+        state: HotState,
+        config: JudgeConfig | None = None,
+        router: AlertRouter | None = None,
+        forward_worker_alerts: bool = True,
+    ) -> None:
         self.state = state
         self.config = config or JudgeConfig()
         self.router = router
+        self.forward_worker_alerts = forward_worker_alerts
         self.breakers: dict[str, Breaker] = {}
         self.guards: dict[str, PrecisionGuard] = {}
         self.flags: dict[str, set[str]] = {}  # worker -> fleet features it is an outlier on
@@ -293,7 +303,8 @@ class Judge:
             type=EventType.ALERT,
             worker_id=w.id if w else None,
             pool=w.pool if w else pool,
-            data={"name": name, "severity": severity.value, "summary": summary, **data},
+            # source last: data copied from a worker's event must not carry the worker's attribution (or a forged one)
+            data={"name": name, "severity": severity.value, "summary": summary, **data, "source": SOURCE},
         )
         events.append(ev)
 
@@ -301,7 +312,12 @@ class Judge:
         """Hand a recorded alert event to the sinks (after it was committed)."""
         if self.router is None or ev.type is not EventType.ALERT:
             return
+        if ev.data.get("source") != SOURCE:  # a worker's alert event (stamped source=worker at ingest)
+            if self.forward_worker_alerts:
+                self.router.submit(worker_alert(ev))
+            return
         data = dict(ev.data)
+        data.pop("source", None)
         name = str(data.pop("name", None) or data.get("reason") or "worker_alert")
         raw = data.pop("severity", "warning")
         severity = Severity(raw) if raw in {s.value for s in Severity} else Severity.WARNING

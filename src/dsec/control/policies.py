@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import replace
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.control import errors
 from dsec.control.gauges import pool_gauges, worker_gauges
-from dsec.fsutil import write_atomic
+from dsec.fsutil import PRIVATE_FILE, write_atomic
 from dsec.model import Event, EventType, ModelError, Pool, WorkerState
 from dsec.policy.engine import Decision, Engine, RuleState, Scope, Transition
 from dsec.policy.rules import Knob, PolicySet, compile_policies
@@ -86,6 +87,7 @@ class PolicyRunner:
         self._last_tick = -math.inf
         self._last_outcome: dict[tuple[str, str, str], str] = {}
         self.applied_path = cp.settings.home / "policies.yaml"
+        self._apply_lock = asyncio.Lock()
 
     # -- loading ----------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -131,9 +133,13 @@ class PolicyRunner:
             self.series.add_series(("dsec_melt_down_count", pool, None), series)
 
     async def apply_text(self, text: str, source: str = "policies.yaml") -> PolicySet:
-        """Validate and install new rules (hot reload); ConfigError leaves the running rules untouched."""
-        policies = compile_policies(text, source)
-        write_atomic(self.applied_path, text.encode())
+        """Validate and install new rules (hot reload); ConfigError leaves the running rules untouched.
+
+        Compiling and the fsync'ed write run on a worker thread, one upload at a time: a large or hostile file must
+        not stall heartbeats, and concurrent uploads must not take every thread."""
+        async with self._apply_lock:
+            policies = await asyncio.to_thread(compile_policies, text, source)
+            await asyncio.to_thread(write_atomic, self.applied_path, text.encode(), mode=PRIVATE_FILE)
         self._install(policies)
         now = self.cp.clock()
         await self.cp.record_events(

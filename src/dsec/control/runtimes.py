@@ -1,14 +1,17 @@
 """Agent runtimes (Dify-style) as services: registration, their reports, and signed policy pushes with retries.
 
 - A runtime registers (``POST /v1/runtimes``: name, type, callback URL, secret, pool) and gets a runtime token.
+  An admin token registers any callback; a pool token only one whose host is on ``webhook_allowed_hosts``.
 - With that token it reports (``POST /v1/runtimes/{id}/report``): concurrent agent instances, average LLM-call
   latency, whether function calling is on.
 - DSec pushes policies to its callback (``POST /v1/runtimes/{id}/policies`` or from code): the JSON body is signed
   with HMAC-SHA256 over ``"<timestamp>." + body`` (``X-DSec-Signature: v1=<hex>``), carries a delivery id
   (``X-DSec-Delivery``, the same on every retry) and is retried with exponential backoff and jitter until the
   receiver answers 2xx, answers a permanent 4xx, or ``max_attempts`` are spent. Every delivery and attempt is kept in
-  a delivery log (``GET /v1/runtimes/{id}/deliveries``) and its outcome recorded as a ``webhook`` event.
-- Runtimes (with their secrets and token hashes) persist in ``$DSEC_HOME/runtimes.json`` (mode 0600).
+  a delivery log (``GET /v1/runtimes/{id}/deliveries``; bounded per runtime and in age) and its outcome recorded as
+  a ``webhook`` event. Requests go through ``egress.Egress``: private destinations refused, answers capped.
+- Runtimes (with their secrets and token hashes) persist in the state store, written off the event loop; a
+  ``runtimes.json`` left by an older version is imported once and removed.
 
 The wire protocol, for receivers in other languages, is docs/webhooks.md; ``dsec.integrations.webhook`` is the
 reference receiver.
@@ -16,9 +19,9 @@ reference receiver.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import os
 import random
 import threading
 import time
@@ -26,16 +29,25 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from dsec.alerts.signing import DELIVERY_HEADER, EVENT_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
-from dsec.fsutil import write_atomic
+from dsec.control.egress import Egress, EgressRefused
+from dsec.control.store import RuntimeRow
 
 log = logging.getLogger(__name__)
 
 PERMANENT = frozenset(range(400, 500)) - {408, 425, 429}  # the receiver refused it: retrying will not help
+LOG_ANSWER_BYTES = 4096  # an answer longer than this is logged as its first characters only
+LOG_TEXT_CHARS = 500
+
+
+class RuntimeStore(Protocol):
+    def put_runtime(self, runtime: RuntimeRow) -> None: ...
+    def list_runtimes(self) -> list[RuntimeRow]: ...
+    def delete_runtime(self, runtime_id: str) -> bool: ...
 
 
 @dataclass
@@ -54,13 +66,28 @@ class Runtime:
     def to_api(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in ("secret", "token_hash")}
 
+    def row(self) -> RuntimeRow:
+        return RuntimeRow(**asdict(self))
+
+    @classmethod
+    def from_row(cls, row: RuntimeRow) -> Runtime:
+        return cls(**{**asdict(row), "report": dict(row.report)})
+
 
 @dataclass
 class Attempt:
     at: float
-    status: int | None  # HTTP status, None when no answer (connection refused, timeout)
+    status: int | None  # HTTP status, None when no answer (connection refused, timeout, refused destination)
     error: str | None
     elapsed_ms: float
+    response_bytes: int = 0
+    truncated: bool = False  # the answer was longer than webhook_max_response_bytes; the rest was not read
+
+
+@dataclass(frozen=True)
+class DeliveryRetention:
+    kept_per_runtime: int = 100
+    max_age_s: float = 86_400.0
 
 
 @dataclass
@@ -101,65 +128,93 @@ class RetryPolicy:
 
 
 class RuntimeHub:
+    """Runtimes in memory (loaded from ``store``), deliveries in memory, one ``dsec-webhooks`` delivery thread.
+
+    The ``register`` / ``record_report`` / ``remove`` coroutines write the store on a worker thread and change the
+    in-memory registry only after that write succeeded."""
+
     def __init__(
         self,
-        path: Path | None,
+        store: RuntimeStore | None,
         retry: RetryPolicy | None = None,
         on_outcome: Callable[[Delivery], None] | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        egress: Egress | None = None,
+        retention: DeliveryRetention | None = None,
     ) -> None:
-        self.path = path
+        self.store = store
         self.retry = retry or RetryPolicy()
         self.on_outcome = on_outcome
         self.clock = clock
         self.rng = rng or random.Random()
+        self.retention = retention or DeliveryRetention()
         self.runtimes: dict[str, Runtime] = {}
         self.deliveries: dict[str, Delivery] = {}
         self._cond = threading.Condition()
         self._closed = False
-        self._client = httpx.Client(timeout=self.retry.timeout_s, headers={"User-Agent": "dsec-webhooks"})
-        self._load()
+        self._egress = egress or Egress(timeout_s=self.retry.timeout_s)
         self._thread = threading.Thread(target=self._run, name="dsec-webhooks", daemon=True)
         self._thread.start()
 
     # -- registry -----------------------------------------------------------------------------------------------
-    def _load(self) -> None:
-        if self.path is None or not self.path.exists():
+    def load(self, legacy_file: Path | None = None) -> None:
+        """Startup: the runtimes in the store; a ``runtimes.json`` of an older version is moved into the store (and
+        deleted: it holds signing secrets in a file of its own)."""
+        if self.store is None:
             return
-        try:
-            for item in json.loads(self.path.read_text()):
-                self.runtimes[item["id"]] = Runtime(**item)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            log.error("runtimes not loaded from %s: %s", self.path, exc)
+        if legacy_file is not None and legacy_file.exists():
+            try:
+                for item in json.loads(legacy_file.read_text()):
+                    self.store.put_runtime(Runtime(**item).row())
+                legacy_file.unlink()
+                log.info("runtimes moved from %s into the state store", legacy_file)
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                log.error("runtimes not imported from %s: %s", legacy_file, exc)
+        for row in self.store.list_runtimes():
+            self.runtimes[row.id] = Runtime.from_row(row)
 
-    def _save(self) -> None:
-        if self.path is None:
-            return
-        data = json.dumps([asdict(r) for r in self.runtimes.values()], indent=1).encode()
-        write_atomic(self.path, data)
-        os.chmod(self.path, 0o600)  # it holds the runtimes' signing secrets
+    async def _save(self, rt: Runtime) -> None:
+        if self.store is not None:
+            await asyncio.to_thread(self.store.put_runtime, rt.row())
 
-    def register(
+    async def register(
         self, name: str, type: str, callback_url: str, secret: str, pool: str | None, token_hash: str
     ) -> Runtime:
         rt = Runtime(f"rt-{uuid.uuid4().hex[:12]}", name, type, callback_url, secret, token_hash, pool, self.clock())
+        await self._save(rt)
         with self._cond:
             self.runtimes[rt.id] = rt
-            self._save()
         return rt
 
-    def record_report(self, rt: Runtime, report: Mapping[str, Any]) -> None:
+    async def record_report(self, rt: Runtime, report: Mapping[str, Any]) -> None:
+        updated = Runtime(**{**asdict(rt), "report": dict(report), "reported_at": self.clock()})
+        await self._save(updated)
         with self._cond:
-            rt.report = dict(report)
-            rt.reported_at = self.clock()
-            self._save()
+            rt.report, rt.reported_at = updated.report, updated.reported_at
+
+    async def remove(self, runtime_id: str) -> bool:
+        """Forget a runtime: its token stops working and its pending deliveries fail."""
+        if self.store is not None:
+            await asyncio.to_thread(self.store.delete_runtime, runtime_id)
+        with self._cond:
+            found = self.runtimes.pop(runtime_id, None) is not None
+            self._cond.notify_all()
+        return found
+
+    def has_token(self, token_hash: str) -> bool:
+        return any(rt.token_hash == token_hash for rt in list(self.runtimes.values()))
+
+    def of_pool(self, pool: str) -> list[Runtime]:
+        with self._cond:
+            return [rt for rt in self.runtimes.values() if rt.pool == pool]
 
     # -- deliveries ---------------------------------------------------------------------------------------------
     def push(self, runtime_id: str, payload: Mapping[str, Any]) -> Delivery:
         d = Delivery(uuid.uuid4().hex, runtime_id, dict(payload), self.clock())
         with self._cond:
             self.deliveries[d.id] = d
+            self._prune(runtime_id)
             self._cond.notify_all()
         return d
 
@@ -168,6 +223,19 @@ class RuntimeHub:
             return sorted(
                 (d for d in self.deliveries.values() if d.runtime_id == runtime_id), key=lambda d: d.created_at
             )
+
+    def _prune(self, runtime_id: str) -> None:
+        """Keep the newest ``kept_per_runtime`` finished deliveries of a runtime, none older than ``max_age_s``
+        (pending ones are never dropped). Called under the lock."""
+        cutoff = self.clock() - self.retention.max_age_s
+        done = sorted(
+            (d for d in self.deliveries.values() if d.runtime_id == runtime_id and d.status != "pending"),
+            key=lambda d: d.created_at,
+        )
+        excess = len(done) - self.retention.kept_per_runtime
+        for k, d in enumerate(done):
+            if k < excess or (d.finished_at or d.created_at) < cutoff:
+                del self.deliveries[d.id]
 
     def _due(self) -> Delivery | None:
         now = self.clock()
@@ -207,23 +275,26 @@ class RuntimeHub:
         status: int | None = None
         error: str | None = None
         answer: Any = None
+        size, truncated, refused = 0, False, False
         try:
-            r = self._client.post(rt.callback_url, content=body, headers=headers)
-            status = r.status_code
-            try:
-                answer = r.json()
-            except ValueError:
-                answer = r.text[:500]
+            got = self._egress.post(rt.callback_url, body, headers)
+            status, size, truncated = got.status, len(got.body), got.truncated
+            answer = _logged_answer(got.body, truncated)
+        except EgressRefused as exc:
+            error, refused = f"refused: {exc}", True
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"
-        attempt = Attempt(self.clock(), status, error, round((time.perf_counter() - t0) * 1e3, 2))
+        except Exception as exc:  # an unexpected failure must cost this attempt, not the delivery thread
+            log.exception("delivery %s to runtime %s failed unexpectedly", d.id, rt.id)
+            error = f"{type(exc).__name__}: {exc}"
+        attempt = Attempt(self.clock(), status, error, round((time.perf_counter() - t0) * 1e3, 2), size, truncated)
         with self._cond:
             d.attempts.append(attempt)
             d.answer = answer
             if status is not None and 200 <= status < 300:
                 outcome = "delivered"
-            elif status in PERMANENT or len(d.attempts) >= self.retry.max_attempts:
-                outcome = "failed"
+            elif refused or status in PERMANENT or len(d.attempts) >= self.retry.max_attempts:
+                outcome = "failed"  # a refused destination stays refused: retrying would only retry the refusal
             else:
                 d.next_at = self.clock() + self.retry.delay(len(d.attempts), self.rng)
                 return
@@ -234,6 +305,7 @@ class RuntimeHub:
             d.status = status
             d.finished_at = self.clock()
             d.answer = answer
+            self._prune(d.runtime_id)
         if self.on_outcome is not None:
             try:
                 self.on_outcome(d)
@@ -243,15 +315,27 @@ class RuntimeHub:
     def wait(self, delivery_id: str, timeout: float = 10.0) -> Delivery:
         """Block until a delivery is delivered or failed (tests, CLIs)."""
         deadline = time.monotonic() + timeout
-        while True:
-            d = self.deliveries[delivery_id]
-            if d.status != "pending" or time.monotonic() > deadline:
-                return d
+        d = self.deliveries[delivery_id]
+        while d.status == "pending" and time.monotonic() <= deadline:
             time.sleep(0.02)
+        return d
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=5)
-        self._client.close()
+        self._egress.close()
+
+
+def _logged_answer(body: bytes, truncated: bool) -> Any:
+    """What the delivery log keeps of an answer: small JSON as JSON, anything else as the start of its text."""
+    if not truncated and len(body) <= LOG_ANSWER_BYTES:
+        try:
+            return json.loads(body)
+        except ValueError:
+            pass
+    text = body[: LOG_TEXT_CHARS * 4].decode("utf-8", errors="replace")[:LOG_TEXT_CHARS]
+    if len(text.encode()) < len(body) or truncated:
+        text += f"... ({len(body)}{'+' if truncated else ''} bytes)"
+    return text

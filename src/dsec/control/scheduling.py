@@ -17,10 +17,11 @@ and degraded-device detection with probation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from dsec.model import Device, DeviceHealth, Event, EventType, WorkerState
+from dsec.model import Device, DeviceHealth, Event, EventType, Pool, WorkerState
 from dsec.scheduler.device_health import SLOW_FEATURES, DeviceHealthConfig, DeviceHealthTracker, Occupancy
 from dsec.scheduler.inventory import Inventory, from_cluster
 from dsec.scheduler.placement import JobSpec, Placement, place
@@ -31,6 +32,16 @@ if TYPE_CHECKING:
     from dsec.control.state import LiveWorker
 
 log = logging.getLogger(__name__)
+
+
+def device_of_pool(device: Device | None, pool: Pool, pools: Mapping[str, Pool]) -> bool:
+    """May a worker of ``pool`` say it runs on ``device``? Yes for the pool's own devices, for devices no pool
+    claims, and for ids the inventory does not know (nothing pool-wide hangs on those); no for another pool's."""
+    if device is None or device.id in pool.devices:
+        return True
+    if device.pool is not None:
+        return device.pool == pool.name
+    return not any(device.id in p.devices for p in pools.values())
 
 
 class Scheduler:
@@ -109,9 +120,13 @@ class Scheduler:
     # -- device health ------------------------------------------------------------------------------------------
     async def tick(self, now: float) -> None:
         by_device: dict[str, list[LiveWorker]] = {}
-        for w in list(self.cp.state.workers.values()):
-            if w.state is WorkerState.ACTIVE and w.info.device in self.cp.state.devices:
-                by_device.setdefault(str(w.info.device), []).append(w)
+        st = self.cp.state
+        for w in list(st.workers.values()):
+            device = st.devices.get(w.info.device or "")
+            pool = st.pools.get(w.pool)
+            # A worker counts for a device only while the device is its pool's (devices move between pools).
+            if w.state is WorkerState.ACTIVE and device and pool and device_of_pool(device, pool, st.pools):
+                by_device.setdefault(device.id, []).append(w)
         devices = dict(self.cp.state.devices)
         occupancy = {}
         for d, ws in by_device.items():

@@ -23,6 +23,16 @@ MemoryGB = Annotated[float, Field(ge=0, le=MAX_MEMORY_GB)]
 MAX_METRICS = 512
 MAX_EVENTS_PER_BEAT = 256
 MAX_EVENT_DATA_BYTES = 16 * 1024
+MAX_EVENT_DATA_DEPTH = 8
+# A restore slower than an hour is not a snapshot restore; a larger figure is a bug or a lie, and the pool's
+# recovery time (which policies act on) is made of these.
+MAX_RESTORE_S = 3600.0
+# Well-known worker metrics that feed pool gauges, with the range a real worker reports them in.
+GAUGE_INPUTS = {
+    "memory_used_gb": (0.0, MAX_MEMORY_GB),
+    "sync_ops_total": (0.0, 2.0**53),
+    "sync_ok_total": (0.0, 2.0**53),
+}
 
 
 class Strict(BaseModel):
@@ -98,8 +108,8 @@ class RegisterRequest(Strict):
 
 
 def _check_json_value(value: Any, depth: int = 0) -> None:
-    if depth > 8:
-        raise ValueError("nested deeper than 8 levels")
+    if depth > MAX_EVENT_DATA_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_EVENT_DATA_DEPTH} levels")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"non-finite number {value!r} is not allowed")
     if isinstance(value, dict):
@@ -108,6 +118,13 @@ def _check_json_value(value: Any, depth: int = 0) -> None:
     elif isinstance(value, list):
         for v in value:
             _check_json_value(v, depth + 1)
+
+
+def _event_data(v: dict[str, Any]) -> dict[str, Any]:
+    _check_json_value(v)
+    if len(repr(v)) > MAX_EVENT_DATA_BYTES:
+        raise ValueError(f"event data larger than {MAX_EVENT_DATA_BYTES} bytes")
+    return v
 
 
 class EventIn(Strict):
@@ -125,11 +142,14 @@ class EventIn(Strict):
 
     @field_validator("data")
     @classmethod
-    def _data_ok(cls, v: dict[str, Any]) -> dict[str, Any]:
-        _check_json_value(v)
-        if len(repr(v)) > MAX_EVENT_DATA_BYTES:
-            raise ValueError(f"event data larger than {MAX_EVENT_DATA_BYTES} bytes")
-        return v
+    def _data_ok(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("type") is EventType.RESTORE and "restore_s" in v:  # type is validated first
+            value = v["restore_s"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_RESTORE_S:
+                raise ValueError(
+                    f"restore_s={value!r} is invalid: expected seconds, a number in [0, {MAX_RESTORE_S:g}]"
+                )
+        return _event_data(v)
 
 
 class HeartbeatRequest(Strict):
@@ -139,6 +159,19 @@ class HeartbeatRequest(Strict):
         default_factory=dict, max_length=MAX_METRICS
     )
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BEAT)
+
+    @field_validator("metrics")
+    @classmethod
+    def _gauge_inputs(cls, v: dict[str, float]) -> dict[str, float]:
+        """The metrics pool-wide gauges (and so policies) are computed from must be plausible: one worker's absurd
+        figure would otherwise move its whole pool's utilization or sync success rate."""
+        for name, (lo, hi) in GAUGE_INPUTS.items():
+            if name in v and not lo <= v[name] <= hi:
+                raise ValueError(f"{name}={v[name]!r} is out of range: expected a number in [{lo:g}, {hi:g}]")
+        ok, ops = v.get("sync_ok_total"), v.get("sync_ops_total")
+        if ok is not None and ops is not None and ok > ops:
+            raise ValueError(f"sync_ok_total={ok:g} exceeds sync_ops_total={ops:g} (successful syncs are a subset)")
+        return v
 
 
 class DirectivePatch(Strict):
@@ -177,7 +210,7 @@ class DirectivePatch(Strict):
 
 
 class TokenCreate(Strict):
-    kind: Literal["pool", "admin"] = "pool"
+    kind: Literal["pool", "read", "admin"] = "pool"
     pool: Name | None = None
     label: str = Field("", max_length=200)
 
@@ -185,8 +218,8 @@ class TokenCreate(Strict):
     def _pool_for_pool_tokens(self) -> TokenCreate:
         if self.kind == "pool" and not self.pool:
             raise ValueError("pool is required for a pool token")
-        if self.kind == "admin" and self.pool:
-            raise ValueError("an admin token has no pool")
+        if self.kind != "pool" and self.pool:
+            raise ValueError(f"a{'n' if self.kind == 'admin' else ''} {self.kind} token has no pool")
         return self
 
 
@@ -240,6 +273,11 @@ class EventRecord(Strict):
     pool: Name | None = None
     worker_id: str | None = Field(None, max_length=64)
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("data")
+    @classmethod
+    def _data_ok(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _event_data(v)
 
 
 class RuntimeRegister(Strict):

@@ -43,12 +43,22 @@ def uvicorn_config(app: FastAPI, host: str, port: int, **kw: Any) -> uvicorn.Con
 
 
 class ServerThread:
-    """A real uvicorn server on a background thread. ``close()`` shuts it down (lifespan included)."""
+    """A real uvicorn server on a background thread. ``close()`` shuts it down (lifespan included). With
+    ``ssl_certfile`` and ``ssl_keyfile`` it serves HTTPS."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
-        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port))
+        self.scheme = "https" if ssl_certfile else "http"
+        tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile} if ssl_certfile else {}
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, **tls))
         self._thread = threading.Thread(target=self.server.run, name="dsec-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
@@ -61,7 +71,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def close(self) -> None:
         self.server.should_exit = True

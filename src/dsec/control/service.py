@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,16 +18,19 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from dsec.alerts import AlertRouter, LogSink, Sink, WebhookSink
-from dsec.control import auth, errors
+from dsec.control import auth, errors, retention
+from dsec.control.access import Access
+from dsec.control.egress import Egress
 from dsec.control.judge import Judge, Verdict
 from dsec.control.liveness import Beat, overdue
 from dsec.control.policies import PolicyRunner
-from dsec.control.runtimes import Delivery, RuntimeHub
-from dsec.control.scheduling import Scheduler
+from dsec.control.ratelimit import RateLimiter
+from dsec.control.runtimes import Delivery, DeliveryRetention, RetryPolicy, RuntimeHub
+from dsec.control.scheduling import Scheduler, device_of_pool
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
-from dsec.control.store import EventQuery, Store, StoreError, TokenRow, WriteBatch
+from dsec.control.store import EventQuery, Store, StoreError, WriteBatch
 from dsec.control.writer import GroupCommitWriter
 from dsec.model import (
     Device,
@@ -58,6 +62,10 @@ class ControlPlane:
         self.started_at = clock()
         self.heartbeats = 0
         self.duplicates = 0
+        self.access = Access(self.state, store, clock, settings.admin_token, self._runtime_token)
+        # Per-worker event budgets (worker id -> bucket); on the clock the control plane runs on.
+        self.event_budget = RateLimiter(settings.worker_events_per_s, settings.worker_events_burst, clock=clock)
+        self._last_retention = -math.inf
         self._load()
         self.writer = GroupCommitWriter(
             store, self.state.take_dirty, self.state.mark_dirty, flush_interval_s=settings.flush_interval_s
@@ -72,13 +80,20 @@ class ControlPlane:
             group_interval_s=settings.alert_group_interval_s,
             repeat_interval_s=settings.alert_repeat_interval_s,
         )
-        self.judge = Judge(self.state, settings.judge, self.alerts)
+        self.judge = Judge(self.state, settings.judge, self.alerts, settings.forward_worker_alerts)
         self.judge.resume_levels = self._resume_levels
         self.scheduler = Scheduler(self)
         self.scheduler.load()
+        retry = settings.webhook_retry or RetryPolicy()
         self.runtimes = RuntimeHub(
-            settings.home / "runtimes.json", settings.webhook_retry, on_outcome=self._webhook_outcome, clock=clock
+            store,
+            retry,
+            on_outcome=self._webhook_outcome,
+            clock=clock,
+            egress=Egress(settings.webhook_allow_private, settings.webhook_max_response_bytes, retry.timeout_s),
+            retention=DeliveryRetention(settings.webhook_deliveries_kept, settings.webhook_delivery_retention_s),
         )
+        self.runtimes.load(legacy_file=settings.home / "runtimes.json")
         self.policies = PolicyRunner(self)
         self.policies.load()
 
@@ -97,13 +112,9 @@ class ControlPlane:
                 w.last_beat_at = max(w.last_beat_at, now)
             st.workers[w.id] = w
             st.worker_token_hashes[w.token_hash] = w.id
-        for tok in self.store.list_tokens():
-            if tok.kind == "admin":
-                st.admin_token_hashes.add(tok.token_hash)
-            elif tok.pool:
-                st.pool_token_hashes[tok.token_hash] = tok.pool
-        if self.settings.admin_token:
-            st.admin_token_hashes.add(auth.hash_token(self.settings.admin_token))
+            if w.token_id is not None and w.state is not WorkerState.DEREGISTERED:
+                st.workers_by_token[w.token_id] += 1
+        self.access.load()
         # One pass over the breaker history: meltdown counters, and each worker's level after its last
         # recorded transition (events come in id order) for the breakers to resume at.
         levels: dict[str, int] = {}
@@ -156,10 +167,11 @@ class ControlPlane:
             self._count(ev)
             if ev.type is EventType.ALERT:
                 self.judge.route(ev)
-            elif ev.type is EventType.RESTORE and ev.pool:
+            elif ev.type is EventType.RESTORE and ev.pool and ev.worker_id:
+                # Validated at the edge (schemas.EventIn); aggregated per distinct worker (gauges.pool_recovery_s).
                 restore_s = ev.data.get("restore_s")
-                if isinstance(restore_s, (int, float)):
-                    self.state.last_recovery_s[ev.pool] = float(restore_s)
+                if isinstance(restore_s, (int, float)) and not isinstance(restore_s, bool):
+                    self.state.restore_reports.setdefault(ev.pool, {})[ev.worker_id] = float(restore_s)
 
     def _count(self, ev: Event) -> None:
         """Meltdown counters, per pool and per worker: from committed events only (also at startup)."""
@@ -169,52 +181,61 @@ class ControlPlane:
             if ev.worker_id:
                 self.state.worker_meltdowns[ev.worker_id] += 1
 
-    # -- auth --------------------------------------------------------------------------------
+    # -- auth (control/access.py) --------------------------------------------------------------
+    def _runtime_token(self, token_hash: str) -> bool:
+        runtimes = getattr(self, "runtimes", None)  # not yet built while the state loads
+        return runtimes is not None and runtimes.has_token(token_hash)
+
     def is_admin(self, token: str | None) -> bool:
-        return token is not None and auth.hash_token(token) in self.state.admin_token_hashes
+        return self.access.is_admin(token)
 
     def require_admin(self, token: str | None) -> None:
-        if token is None:
-            raise errors.unauthorized()
-        if not self.is_admin(token):
-            raise errors.forbidden("this route needs an admin token")
+        self.access.require_admin(token)
+
+    def require_read(self, token: str | None) -> None:
+        self.access.require_read(token)
 
     def pool_of_token(self, token: str | None) -> str | None:
-        return None if token is None else self.state.pool_token_hashes.get(auth.hash_token(token))
+        return self.access.pool_of_token(token)
 
-    def worker_for(self, worker_id: str, token: str | None) -> LiveWorker:
-        """The worker, if ``token`` is its own token (or an admin token)."""
-        if token is None:
-            raise errors.unauthorized()
-        w = self.state.workers.get(worker_id)
-        if w is None:
-            raise errors.not_found("worker", worker_id, "worker_id")
-        h = auth.hash_token(token)
-        if auth.same_hash(h, w.token_hash) or h in self.state.admin_token_hashes:
-            return w
-        owner = self.state.workers.get(self.state.worker_token_hashes.get(h, ""))
-        if owner is not None:
-            raise errors.forbidden(
-                f"this token belongs to worker {owner.id!r} (pool {owner.pool!r}); a worker reports only as "
-                f"itself, not as worker_id {worker_id!r} (pool {w.pool!r})",
-                "worker_id",
-            )
-        if h in self.state.pool_token_hashes:
-            raise errors.forbidden("a pool token registers workers; heartbeats need the worker's own token")
-        raise errors.forbidden("unknown token")
+    def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker:
+        """The worker, if ``token`` is its own token or an admin token (with ``read``, a read-only token too)."""
+        return self.access.worker_for(worker_id, token, read)
 
     # -- workers -----------------------------------------------------------------------------
-    async def register(self, req: RegisterRequest, token: str | None) -> dict[str, Any]:
+    def _registrant(self, req: RegisterRequest, token: str | None) -> tuple[Pool, str | None]:
+        """The pool to register in and the registering pool token's id (None for an admin token), once the token
+        may register this worker: its own pool, a device of that pool, within its quota."""
         if token is None:
             raise errors.unauthorized()
         token_pool = self.pool_of_token(token)
         if token_pool is None and not self.is_admin(token):
-            raise errors.forbidden("unknown token")
+            raise errors.forbidden("unknown or revoked token")
         if token_pool is not None and token_pool != req.pool:
-            raise errors.forbidden(f"this token belongs to pool {token_pool!r}, not pool {req.pool!r}", "pool")
+            raise errors.forbidden(
+                f"this token registers workers in pool {token_pool!r} only, not in {req.pool!r}", "pool"
+            )
         pool = self.state.pools.get(req.pool)
         if pool is None:
             raise errors.not_found("pool", req.pool, "pool")
+        if token_pool is None:
+            return pool, None
+        if req.device is not None and not device_of_pool(self.state.devices.get(req.device), pool, self.state.pools):
+            # Not "it is pool X's": the token holder learns nothing about other pools.
+            raise errors.forbidden(f"device {req.device!r} is not a device of pool {req.pool!r}", "device")
+        token_id = auth.token_id(auth.hash_token(token))
+        if self.state.workers_by_token[token_id] >= self.settings.max_workers_per_token:
+            raise errors.ApiError(
+                429,
+                "quota_exceeded",
+                f"this pool token has {self.state.workers_by_token[token_id]} registered workers, the most it may "
+                f"have (max_workers_per_token); deregister some first",
+                "Authorization",
+            )
+        return pool, token_id
+
+    async def register(self, req: RegisterRequest, token: str | None) -> dict[str, Any]:
+        pool, token_id = self._registrant(req, token)
         now = self.clock()
         worker_id = f"w-{uuid.uuid4().hex[:12]}"
         worker_token = auth.new_token(auth.WORKER_PREFIX)
@@ -232,6 +253,7 @@ class ControlPlane:
             beats=0,
             metrics={},
             directive=directive,
+            token_id=token_id,
         )
         ev = Event(
             ts=now,
@@ -243,6 +265,8 @@ class ControlPlane:
         await self._commit(WriteBatch(workers=[w.row()], directives=[directive], events=[ev]))
         self.state.workers[worker_id] = w
         self.state.worker_token_hashes[w.token_hash] = worker_id
+        if token_id is not None:
+            self.state.workers_by_token[token_id] += 1
         return {
             "worker_id": worker_id,
             "worker_token": worker_token,
@@ -278,13 +302,12 @@ class ControlPlane:
                 f"(latest is {w.directive.version})",
                 "acked_directive_version",
             )
+        metrics = self._merged_metrics(w, req)
+        if req.events:
+            self._spend_event_budget(w, len(req.events))
         was_lost = w.state is WorkerState.LOST
-        metrics = {**w.metrics, **req.metrics} if req.metrics else w.metrics
         newly_acked = req.acked_directive_version > w.acked_version
-        events = [
-            Event(ts=e.ts if e.ts is not None else now, type=e.type, worker_id=w.id, pool=w.pool, data=e.data)
-            for e in req.events
-        ]
+        events = self._worker_events(w, req, now)
         if was_lost:
             events.append(
                 Event(
@@ -348,6 +371,49 @@ class ControlPlane:
             self.state.mark_dirty(w.id)
         return self._beat_answer(w, req, now, duplicate=False)
 
+    def _merged_metrics(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, float]:
+        """The worker's metrics with the beat's merged in; 422 when that would exceed its distinct-name budget (each
+        beat is capped, but names accumulate across beats)."""
+        if not req.metrics:
+            return w.metrics
+        cap = self.settings.max_metrics_per_worker
+        if len(w.metrics) + len(req.metrics) > cap:
+            new = len(req.metrics.keys() - w.metrics.keys())
+            if len(w.metrics) + new > cap:
+                raise errors.ApiError(
+                    422,
+                    "invalid",
+                    f"metrics: {new} new metric name(s) would give worker_id {w.id!r} {len(w.metrics) + new} distinct "
+                    f"names; a worker may hold at most {cap} (max_metrics_per_worker): reuse names",
+                    "metrics",
+                )
+        return {**w.metrics, **req.metrics}
+
+    def _spend_event_budget(self, w: LiveWorker, n: int) -> None:
+        wait = self.event_budget.take(w.id, n)
+        if wait > 0:
+            cfg = self.settings
+            raise errors.ApiError(
+                429,
+                "rate_limited",
+                f"events: worker_id {w.id!r} sent more events than its budget ({cfg.worker_events_per_s:g}/s, "
+                f"burst {cfg.worker_events_burst}); nothing of this beat was applied, send it again later",
+                "events",
+            )
+
+    def _worker_events(self, w: LiveWorker, req: HeartbeatRequest, now: float) -> list[Event]:
+        """The beat's events as recorded: attributed (``source: worker``, whatever the worker wrote there) and dated
+        by the worker only when its time is plausible (else by the server, the worker's kept as ``worker_ts``)."""
+        cfg = self.settings
+        out = []
+        for e in req.events:
+            ts = retention.event_time(e.ts, now, cfg.event_retention_s, cfg.max_clock_skew_s)
+            data = {**e.data, "source": "worker"}
+            if e.ts is not None and ts != e.ts:
+                data["worker_ts"] = e.ts
+            out.append(Event(ts=ts, type=e.type, worker_id=w.id, pool=w.pool, data=data))
+        return out
+
     def _beat_answer(self, w: LiveWorker, req: HeartbeatRequest, now: float, duplicate: bool) -> dict[str, Any]:
         return {
             "seq": req.seq,
@@ -396,6 +462,9 @@ class ControlPlane:
         run = self.scheduler.run_record(w, failed=False)
         await self._commit(WriteBatch(workers=[row], events=[ev] + ([run] if run else [])))
         w.state = WorkerState.DEREGISTERED
+        w.ended_at = now
+        if w.token_id is not None:
+            self.state.workers_by_token[w.token_id] -= 1
         self.judge.forget(w.id)  # a worker that left is judged no more
         return w.to_api()
 
@@ -447,8 +516,9 @@ class ControlPlane:
         busy = [w.id for w in self.state.workers.values() if w.pool == name and w.state is not WorkerState.DEREGISTERED]
         if busy:
             raise errors.conflict(f"pool {name!r} still has {len(busy)} registered worker(s)", "name")
-        await asyncio.to_thread(self.store.delete_pool, name)
+        await asyncio.to_thread(self.store.delete_pool, name)  # its pool tokens go with it, in one transaction
         del self.state.pools[name]
+        self.access.forget_pool(name)
 
     def apply_cluster(self, pools: Iterable[Pool], devices: Iterable[Device]) -> None:
         """Startup path for ``--cluster``: the file wins over what the store holds for the same names."""
@@ -466,16 +536,13 @@ class ControlPlane:
         return device
 
     async def create_token(self, kind: str, pool: str | None, label: str) -> str:
-        if kind == "pool" and pool not in self.state.pools:
-            raise errors.not_found("pool", str(pool), "pool")
-        token = auth.new_token(auth.ADMIN_PREFIX if kind == "admin" else auth.POOL_PREFIX)
-        row = TokenRow(auth.hash_token(token), pool, kind, label, self.clock())
-        await asyncio.to_thread(self.store.put_token, row)
-        if kind == "admin":
-            self.state.admin_token_hashes.add(row.token_hash)
-        else:
-            self.state.pool_token_hashes[row.token_hash] = str(pool)
-        return token
+        return await self.access.create(kind, pool, label)
+
+    async def list_tokens(self) -> list[dict[str, Any]]:
+        return await self.access.list()
+
+    async def revoke_token(self, token_id: str) -> None:
+        await self.access.revoke(token_id)
 
     # -- reconcile -----------------------------------------------------------------------------
     async def reconcile(self) -> list[str]:
@@ -486,7 +553,34 @@ class ControlPlane:
         await self._judge_periodic()
         await self.scheduler.tick(self.clock())
         await self.policies.tick()
+        await self.retain()
         return lost
+
+    async def retain(self, force: bool = False) -> tuple[list[str], int]:
+        """Forget workers that deregistered ``worker_retention_s`` ago and prune events older than
+        ``event_retention_s`` (control/retention.py); at most every ``retention_interval_s``. Returns the evicted
+        worker ids and how many events were pruned."""
+        now = self.clock()
+        if not force and now - self._last_retention < self.settings.retention_interval_s:
+            return [], 0
+        self._last_retention = now
+        gone = retention.evictable(self.state.workers.values(), now, self.settings.worker_retention_s)
+        if gone:
+            await self._commit(WriteBatch(deleted_workers=gone))
+            for wid in gone:
+                w = self.state.workers.pop(wid)
+                self.state.worker_token_hashes.pop(w.token_hash, None)
+                self.state.restore_reports.get(w.pool, {}).pop(wid, None)
+                self.state.worker_meltdowns.pop(wid, None)
+                self.event_budget.forget(wid)
+                self.judge.forget(wid)
+        pruned = 0
+        cutoff = retention.event_cutoff(now, self.settings.event_retention_s)
+        if cutoff is not None:
+            pruned = await asyncio.to_thread(self.store.prune_events, cutoff, retention.KEPT_TYPES)
+        if gone or pruned:
+            log.info("retention: forgot %d deregistered worker(s), pruned %d event(s)", len(gone), pruned)
+        return gone, pruned
 
     async def _judge_periodic(self) -> None:
         now = self.clock()

@@ -17,6 +17,15 @@ def default_home() -> Path:
     return Path(os.environ.get("DSEC_HOME") or Path.home() / ".dsec")
 
 
+def _truthy(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean: expected 1/0, true/false, yes/no or on/off")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything ``create_app`` needs. I/O seams (clock, store) are passed to ``create_app`` separately."""
@@ -56,6 +65,43 @@ class Settings:
     # forms without them (a supervisor that saw the exit names the dead rank, and nobody waits).
     heal_join_timeout_s: float = 5.0
 
+    # -- limits that hold against a hostile token holder (docs/security.md) ------------------------------------
+    # Distinct metric names one worker may hold: as many as one beat may carry (names merge across beats, so without
+    # this the per-beat cap bounded nothing). With the per-token quota below it bounds what one pool token can make
+    # the control plane hold (4096 x 512 names).
+    max_metrics_per_worker: int = 512
+    # Workers registered with one pool token and not deregistered (lost ones count: they may come back).
+    max_workers_per_token: int = 4096
+    # Events one worker may send: a token bucket (per second, burst); beyond it a beat is answered 429.
+    worker_events_per_s: float = 50.0
+    worker_events_burst: int = 2000
+    # Requests per token on every route but heartbeats (token bucket); admin tokens are not limited.
+    rate_limit_per_s: float = 100.0
+    rate_limit_burst: int = 2000
+    # Deregistered workers leave memory and the store this long after they ended; events older than
+    # event_retention_s are pruned (0 keeps them forever). A worker's event time outside
+    # [now - event_retention_s, now + max_clock_skew_s] is replaced by the server's (the worker's kept as worker_ts).
+    worker_retention_s: float = 86_400.0
+    event_retention_s: float = 30 * 86_400.0
+    max_clock_skew_s: float = 300.0
+    retention_interval_s: float = 60.0  # how often the reconcile loop applies the two retentions
+    # A pool's recovery time (dsec_snapshot_recovery_time, read by policies) needs restores reported by this many
+    # distinct workers (or by every active worker of a smaller pool); it is their lower median.
+    restore_min_reporters: int = 2
+    # Worker-sent alert events reach the alert sinks attributed (source=worker, severity at most warning).
+    forward_worker_alerts: bool = True
+    # Runtime callbacks: private, loopback and link-local destinations are refused unless this is set (tests,
+    # the demo, a receiver on the same host); pool tokens may register runtimes only for these hosts (fnmatch
+    # patterns); answers are read up to webhook_max_response_bytes; the delivery log keeps this many finished
+    # deliveries per runtime, none older than webhook_delivery_retention_s.
+    webhook_allow_private: bool = False
+    webhook_allowed_hosts: tuple[str, ...] = ()
+    webhook_max_response_bytes: int = 64 * 1024
+    webhook_deliveries_kept: int = 100
+    webhook_delivery_retention_s: float = 86_400.0
+    # Serve /docs and /redoc (they load scripts from a CDN and describe every route to anyone).
+    api_docs: bool = False
+
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:
             raise ValueError(f"lost_after_beats={self.lost_after_beats} is invalid: expected >= 1")
@@ -65,10 +111,25 @@ class Settings:
             raise ValueError(f"policy_interval_s={self.policy_interval_s} is invalid: expected (0, 3600]")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} is invalid: expected >= 1024")
+        for name in ("max_metrics_per_worker", "max_workers_per_token", "worker_events_burst", "rate_limit_burst",
+                     "restore_min_reporters", "webhook_deliveries_kept"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: expected >= 1")
+        for name in ("worker_events_per_s", "rate_limit_per_s", "worker_retention_s", "max_clock_skew_s",
+                     "retention_interval_s", "webhook_delivery_retention_s"):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: expected > 0")
+        if self.event_retention_s < 0:
+            raise ValueError(f"event_retention_s={self.event_retention_s} is invalid: expected >= 0 (0: keep all)")
+        if self.webhook_max_response_bytes < 1024:
+            raise ValueError(
+                f"webhook_max_response_bytes={self.webhook_max_response_bytes} is invalid: expected >= 1024"
+            )
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN) <- explicit overrides."""
+        """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN, DSEC_WEBHOOK_ALLOW_PRIVATE,
+        DSEC_WEBHOOK_ALLOWED_HOSTS) <- explicit overrides."""
         home = Path(str(overrides.pop("home", None) or default_home()))
         url = (
             overrides.pop("database_url", None)
@@ -76,4 +137,9 @@ class Settings:
             or (f"sqlite:///{home / 'dsec.db'}")
         )
         admin = overrides.pop("admin_token", None) or os.environ.get("DSEC_ADMIN_TOKEN") or None
+        if "webhook_allow_private" not in overrides and os.environ.get("DSEC_WEBHOOK_ALLOW_PRIVATE"):
+            overrides["webhook_allow_private"] = _truthy(os.environ["DSEC_WEBHOOK_ALLOW_PRIVATE"])
+        if "webhook_allowed_hosts" not in overrides and os.environ.get("DSEC_WEBHOOK_ALLOWED_HOSTS"):
+            hosts = os.environ["DSEC_WEBHOOK_ALLOWED_HOSTS"].split(",")
+            overrides["webhook_allowed_hosts"] = tuple(h.strip() for h in hosts if h.strip())
         return cls(home=home, database_url=str(url), admin_token=admin and str(admin), **overrides)  # type: ignore[arg-type]

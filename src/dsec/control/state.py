@@ -33,6 +33,10 @@ class LiveWorker:
     beats: int
     metrics: dict[str, float]
     directive: Directive
+    # The id of the pool token that registered it (None: an admin token), for per-token quotas; persisted in
+    # ``info``. ``ended_at``: when it deregistered (in memory; after a restart its last beat stands in).
+    token_id: str | None = None
+    ended_at: float | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     @property
@@ -40,10 +44,13 @@ class LiveWorker:
         return self.info.pool
 
     def row(self) -> WorkerRow:
+        info = info_to_dict(self.info)
+        if self.token_id is not None:
+            info["token_id"] = self.token_id
         return WorkerRow(
             id=self.id,
             pool=self.info.pool,
-            info=info_to_dict(self.info),
+            info=info,
             state=self.state.value,
             token_hash=self.token_hash,
             registered_at=self.registered_at,
@@ -68,6 +75,7 @@ class LiveWorker:
             beats=row.beats,
             metrics=dict(row.metrics),
             directive=directive,
+            token_id=row.info.get("token_id"),
         )
 
     def to_api(self) -> dict[str, Any]:
@@ -122,11 +130,15 @@ class HotState:
     workers: dict[str, LiveWorker] = field(default_factory=dict)
     pool_token_hashes: dict[str, str] = field(default_factory=dict)  # hash -> pool
     admin_token_hashes: set[str] = field(default_factory=set)
+    read_token_hashes: set[str] = field(default_factory=set)
+    # Workers registered with each pool token (by token id) and not deregistered: the per-token quota.
+    workers_by_token: Counter[str] = field(default_factory=Counter)
     worker_token_hashes: dict[str, str] = field(default_factory=dict)  # hash -> worker id
     # Observed from events, per pool: what the four headline gauges are computed from.
     meltdowns: Counter[str] = field(default_factory=Counter)
     worker_meltdowns: Counter[str] = field(default_factory=Counter)
-    last_recovery_s: dict[str, float] = field(default_factory=dict)
+    # Restore times reported by workers, per pool: worker id -> its latest restore_s (gauges.pool_recovery_s).
+    restore_reports: dict[str, dict[str, float]] = field(default_factory=dict)
     # Pools recovering from a device failure (until this time): policy actions on them are held back.
     pool_recovering_until: dict[str, float] = field(default_factory=dict)
     _dirty: set[str] = field(default_factory=set)

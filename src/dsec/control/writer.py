@@ -102,7 +102,11 @@ class GroupCommitWriter:
             rows.update((w.id, w) for w in batch.workers)
             merged.directives.extend(batch.directives)
             merged.events.extend(batch.events)
-        merged.workers = list(rows.values())
+            merged.deleted_workers.extend(batch.deleted_workers)
+        # A deleted worker's row must not be written back by the same transaction.
+        gone = set(merged.deleted_workers)
+        merged.workers = [w for w in rows.values() if w.id not in gone]
+        merged.directives = [d for d in merged.directives if d.worker_id not in gone]
         try:
             ids = self._store.write(merged)
         except Exception as exc:  # the database may be down; callers get the error, hot rows retry

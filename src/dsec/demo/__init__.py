@@ -361,6 +361,7 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
         judge=judge,
         alert_log=False,  # alerts are shown from the event log, not printed over the live table
         policy_interval_s=1.0,  # rules are evaluated every second (15 s in production)
+        webhook_allow_private=True,  # the demo's agent runtime listens on 127.0.0.1 (refused by default)
     )
     app = create_app(settings)
     procs: list[Proc] = []

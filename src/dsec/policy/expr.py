@@ -40,6 +40,10 @@ RANGE_FUNCS = (
     "count_over_time",
 )
 COMPARISONS = (">=", "<=", "==", "!=", ">", "<")
+# Bounds that keep parsing and evaluation (both recursive) far from Python's recursion limit: a rule is a line or
+# two, not thousands of tokens.
+MAX_TOKENS = 256
+MAX_NESTING = 32
 _DURATION_RE = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 _TOKEN_RE = re.compile(
     r"\s*(?:(?P<dur>\d+[smhd](?:\d+[smhd])*)(?![A-Za-z0-9_])"
@@ -135,6 +139,9 @@ class _Parser:
         self.other_level = set(other_level)
         self.text = text
         self.toks = _tokens(text)
+        if len(self.toks) > MAX_TOKENS:
+            raise ExprError(f"expression too long: more than {MAX_TOKENS} tokens", self.toks[MAX_TOKENS].offset)
+        self.depth = 0
         self.i = 0
         self.metrics = set(metrics)
         self.windows: list[float] = []
@@ -201,13 +208,18 @@ class _Parser:
             node = Binary(op, node, self.unary())
         return node
 
+    def _nest(self, offset: int) -> None:
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise ExprError(f"nested deeper than {MAX_NESTING} levels", offset)
+
     def unary(self) -> Node:
-        if self.tok.text == "-":
-            self.take()
-            return Unary("-", self.unary())
-        if self.tok.text == "not":
-            self.take()
-            return Unary("not", self.unary())
+        if self.tok.text in ("-", "not"):
+            op = self.take()
+            self._nest(op.offset)
+            node = Unary(op.text, self.unary())
+            self.depth -= 1
+            return node
         return self.primary()
 
     def primary(self) -> Node:
@@ -217,8 +229,10 @@ class _Parser:
             return Num(float(t.text))
         if t.text == "(":
             self.take()
+            self._nest(t.offset)
             node = self.or_()
             self.expect(")", "')'")
+            self.depth -= 1
             return node
         if t.kind == "name" and t.text not in ("and", "or", "not"):
             self.take()

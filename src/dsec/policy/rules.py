@@ -105,14 +105,14 @@ class BoundSpec(_Strict):
 
 class RuleSpec(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-    when: str = Field(..., min_length=1)
+    when: str = Field(..., min_length=1, max_length=4096)
     for_: str = Field("0s", alias="for")
     scope: ScopeSpec = Field(default_factory=ScopeSpec)
     then: list[ActionSpec] = Field(..., min_length=1)
     bounds: dict[str, BoundSpec] = Field(default_factory=dict)
     cooldown: str = "0s"
     max_per: str | None = None
-    clear_when: str | None = None
+    clear_when: str | None = Field(None, max_length=4096)
     priority: int = 0
     dry_run: bool = False
     labels: dict[str, str] = Field(default_factory=dict)

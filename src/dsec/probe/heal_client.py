@@ -80,6 +80,14 @@ class HealClient:
             except ApiError as exc:
                 if exc.status == 409 and exc.code == "fenced":
                     raise FencedOut(exc.message) from None
+                if exc.status in (429, 503):  # busy or its store briefly unavailable: as unreachable, retry
+                    now = time.monotonic()
+                    first_failure = first_failure or now
+                    if now - first_failure > self.give_up_s or self._closed.is_set():
+                        raise HealUnavailable(f"control plane refused for {now - first_failure:.1f} s") from None
+                    time.sleep(delay * random.uniform(0.5, 1.0))
+                    delay = min(2.0, delay * 2)
+                    continue
                 raise
 
     # -- protocol --------------------------------------------------------------------------------------------

@@ -38,6 +38,26 @@ if TYPE_CHECKING:
 
 QUANTIZE_MIN = 4096
 DEFAULT_LEVEL = 2
+ENCODINGS = ("raw", "q8", "q4")
+# The tensor dtypes a manifest may name. A manifest is data from a file: its dtype is looked up in torch only when it
+# is one of these names (``getattr(torch, name)`` on anything else would hand back ``torch.load`` and the like).
+DTYPES = frozenset(
+    {
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    }
+)  # fmt: skip
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name``; ValueError for a name outside ``DTYPES`` or one this torch lacks."""
+    import torch
+
+    dtype = getattr(torch, name, None) if name in DTYPES else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a tensor dtype this torch knows")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -142,7 +162,7 @@ def decode(enc_bytes: np.ndarray, spec: dict[str, Any]) -> torch.Tensor:
     """The tensor that encoded bytes ``enc_bytes`` describe (``spec`` = the manifest's tensor entry)."""
     import torch
 
-    dtype = getattr(torch, spec["dtype"])
+    dtype = torch_dtype(spec["dtype"])
     shape = tuple(spec["shape"])
     if spec["enc"] == "raw":
         if int(np.prod(shape)) == 0:

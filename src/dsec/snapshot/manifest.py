@@ -15,6 +15,11 @@ A manifest is JSON (format version ``FORMAT``)::
 ``delta: true`` means the chunk holds the byte delta against the same tensor's encoded bytes in the parent;
 ``from_parent: true`` means the encoded bytes are the parent's (unchanged, or optimizer state that the mode
 refreshes only in base snapshots) and there is no chunk.
+
+The checksum (and the chunks' sha256 names) detect **corruption, not tampering**: it is an unkeyed hash, so whoever
+can write the snapshot directory can rewrite a manifest and seal it again. Protect the directory like the training
+job's own files (its owner only); a restore trusts what it finds there. Readers therefore treat manifest fields as
+untrusted data all the same (reader.py checks dtypes, encodings and shapes before the codec sees them).
 """
 
 from __future__ import annotations

@@ -63,7 +63,26 @@ def read_manifest(store: SnapshotStore, worker: str, seq: int) -> dict[str, Any]
         raise CorruptSnapshot(str(exc)) from None
     if m.get("worker") != worker or m.get("seq") != seq:
         raise CorruptSnapshot(f"snapshot {worker}/{seq}: manifest names {m.get('worker')}/{m.get('seq')}")
+    _check_tensors(m, f"snapshot {worker}/{seq}")
     return m
+
+
+def _check_tensors(m: dict[str, Any], where: str) -> None:
+    """The tensor table holds what the codec can decode: known dtypes and encodings, shapes of non-negative ints.
+    The checksum proves a manifest is intact, not that whoever sealed it was DSec (snapshot/manifest.py)."""
+    tensors = m.get("tensors")
+    if not isinstance(tensors, dict):
+        raise CorruptSnapshot(f"{where}: no tensor table")
+    for name, e in tensors.items():
+        if not isinstance(e, dict):
+            raise CorruptSnapshot(f"{where}: tensor {name}: not an object")
+        if e.get("dtype") not in codec.DTYPES:
+            raise CorruptSnapshot(f"{where}: tensor {name}: dtype {e.get('dtype')!r} is not a tensor dtype")
+        if e.get("enc") not in codec.ENCODINGS:
+            raise CorruptSnapshot(f"{where}: tensor {name}: encoding {e.get('enc')!r} is unknown")
+        shape = e.get("shape")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CorruptSnapshot(f"{where}: tensor {name}: shape {shape!r} is not a list of sizes")
 
 
 def _chain(store: SnapshotStore, worker: str, seq: int) -> list[dict[str, Any]]:

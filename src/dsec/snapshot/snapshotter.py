@@ -654,7 +654,7 @@ class Snapshotter:
 def _itemsize(dtype: str) -> int:
     import torch
 
-    return int(torch.empty(0, dtype=getattr(torch, dtype)).element_size())
+    return int(torch.empty(0, dtype=codec.torch_dtype(dtype)).element_size())
 
 
 def _rng_state() -> dict[str, Any]:

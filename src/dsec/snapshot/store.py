@@ -121,7 +121,9 @@ class LocalDirStore:
         return sorted(int(p.stem) for p in folder.glob("*.json") if p.stem.isdigit())
 
     def workers(self) -> list[str]:
-        return sorted(p.name for p in (self.root / "manifests").iterdir() if p.is_dir())
+        """Workers with a manifest folder; folders whose names no worker can have (someone else's, a typo with a
+        space) are not workers and are skipped."""
+        return sorted(p.name for p in (self.root / "manifests").iterdir() if p.is_dir() and _WORKER_RE.match(p.name))
 
     def delete_manifest(self, worker: str, seq: int) -> None:
         with contextlib.suppress(FileNotFoundError):

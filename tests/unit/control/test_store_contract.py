@@ -23,6 +23,7 @@ import pytest
 from dsec.control.server import free_port
 from dsec.control.store import (
     EventQuery,
+    RuntimeRow,
     Store,
     StoreConflict,
     StoreError,
@@ -457,6 +458,47 @@ class TestStoreContract:
             store.put_token(TokenRow("b" * 64, "pool-b", "pool", "dup", T0 + 2))
         assert len(store.list_tokens()) == 2
         assert {t.token_hash: t for t in store.list_tokens()}["b" * 64] == pool_tok
+
+    def test_tokens_are_deleted_alone_or_with_their_pool(self, store: Store) -> None:
+        store.put_pool(Pool("pool-a"), T0)
+        store.put_pool(Pool("pool-b"), T0)
+        for h, pool, kind in (("a", "pool-a", "pool"), ("b", "pool-a", "pool"), ("c", "pool-b", "pool"),
+                              ("d", None, "read")):  # fmt: skip
+            store.put_token(TokenRow(h * 64, pool, kind, "", T0))
+        assert store.delete_token("d" * 64) is True
+        assert store.delete_token("d" * 64) is False
+        assert store.delete_pool("pool-a") is True
+        assert [t.token_hash for t in store.list_tokens()] == ["c" * 64]
+
+    # -- retention ------------------------------------------------------------------------------------
+    def test_prune_events_by_age_keeping_some_types(self, store: Store) -> None:
+        old = [event(EventType.LOG, ts=T0), event(EventType.MELTDOWN, ts=T0), event(EventType.ALERT, ts=T0 + 5)]
+        new = [event(EventType.LOG, ts=T0 + 10)]
+        store.write(WriteBatch(events=old + new))
+        assert store.prune_events(T0 + 10, keep=(EventType.MELTDOWN,)) == 2
+        assert [(e.type, e.ts) for e in all_events(store)] == [(EventType.MELTDOWN, T0), (EventType.LOG, T0 + 10)]
+        assert store.prune_events(T0 + 11) == 2 and all_events(store) == []
+
+    def test_a_batch_deletes_workers_with_their_directives_and_keeps_their_events(self, store: Store) -> None:
+        store.write(WriteBatch(workers=[worker_row("w-1"), worker_row("w-2")], directives=[directive("w-1")],
+                               events=[event(wid="w-1")]))  # fmt: skip
+        # A row of the same batch does not bring a deleted worker back.
+        store.write(WriteBatch(workers=[worker_row("w-1", beats=9)], deleted_workers=["w-1"]))
+        assert [w.id for w in store.list_workers()] == ["w-2"]
+        assert store.list_directives() == []
+        assert [e.worker_id for e in all_events(store)] == ["w-1"]
+
+    # -- runtimes -------------------------------------------------------------------------------------
+    def test_runtimes_put_list_update_delete(self, store: Store) -> None:
+        rt = RuntimeRow("rt-1", "dify-1", "dify", "https://agents.example.com/h", "s" * 32, "e" * 64, "pool-a", T0,
+                        {}, None)  # fmt: skip
+        store.put_runtime(rt)
+        assert store.list_runtimes() == [rt]
+        reported = replace(rt, report={"concurrent_agents": 3, "function_calling": True}, reported_at=T0 + 1)
+        store.put_runtime(reported)
+        assert store.list_runtimes() == [reported]
+        assert store.delete_runtime("rt-1") is True and store.delete_runtime("rt-1") is False
+        assert store.list_runtimes() == []
 
 
 def test_unopenable_sqlite_path_is_store_unavailable(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dsec.control.store.api import (
     EventQuery,
+    RuntimeRow,
     Store,
     StoreConflict,
     StoreError,
@@ -25,6 +26,7 @@ def open_store(url: str) -> Store:
 
 __all__ = [
     "EventQuery",
+    "RuntimeRow",
     "Store",
     "StoreConflict",
     "StoreError",

@@ -57,6 +57,23 @@ class TokenRow:
     created_at: float
 
 
+@dataclass(frozen=True)
+class RuntimeRow:
+    """An agent runtime (control/runtimes.py). ``secret`` signs its policy pushes, so it is kept here, in the store
+    (0600 for SQLite, access-controlled for PostgreSQL), and never in a file of its own."""
+
+    id: str
+    name: str
+    type: str
+    callback_url: str
+    secret: str
+    token_hash: str
+    pool: str | None
+    registered_at: float
+    report: Mapping[str, Any]
+    reported_at: float | None
+
+
 @dataclass
 class WriteBatch:
     """Everything written in one transaction (group commit)."""
@@ -64,9 +81,11 @@ class WriteBatch:
     workers: list[WorkerRow] = field(default_factory=list)
     directives: list[Directive] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
+    # Workers to forget (with their directives; their events stay), after the upserts of the same batch.
+    deleted_workers: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.workers or self.directives or self.events)
+        return bool(self.workers or self.directives or self.events or self.deleted_workers)
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,10 @@ class Store(Protocol):
     def close(self) -> None: ...
 
     def put_pool(self, pool: Pool, now: float) -> None: ...
-    def delete_pool(self, name: str) -> bool: ...
+    def delete_pool(self, name: str) -> bool:
+        """Delete the pool and, in the same transaction, revoke its pool tokens."""
+        ...
+
     def list_pools(self) -> list[Pool]: ...
 
     def put_devices(self, devices: Iterable[Device], now: float) -> None: ...
@@ -101,6 +123,14 @@ class Store(Protocol):
     def list_directives(self) -> list[Directive]: ...
     def query_events(self, query: EventQuery) -> list[Event]: ...
     def count_events(self) -> int: ...
+    def prune_events(self, before: float, keep: Sequence[EventType] = ()) -> int:
+        """Delete events with ``ts < before`` except those of the ``keep`` types; returns how many."""
+        ...
 
     def put_token(self, token: TokenRow) -> None: ...
     def list_tokens(self) -> list[TokenRow]: ...
+    def delete_token(self, token_hash: str) -> bool: ...
+
+    def put_runtime(self, runtime: RuntimeRow) -> None: ...
+    def list_runtimes(self) -> list[RuntimeRow]: ...
+    def delete_runtime(self, runtime_id: str) -> bool: ...

@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from dsec.control.store import tables as t
 from dsec.control.store.api import (
     EventQuery,
+    RuntimeRow,
     StoreConflict,
     StoreError,
     StoreUnavailable,
@@ -23,6 +24,7 @@ from dsec.control.store.api import (
     WorkerRow,
     WriteBatch,
 )
+from dsec.fsutil import private_dir, private_file
 from dsec.model import Device, Directive, DirectiveFields, Event, EventType, Pool
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
@@ -40,6 +42,20 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def _private_sqlite(db: Path) -> None:
+    """The database and its -wal/-shm files hold token hashes and runtime secrets: 0600 from the first byte.
+
+    SQLite creates -wal and -shm with the database file's permissions, so creating the (empty) database file 0600
+    before SQLite opens it is enough; no process-wide umask change (which would race other threads creating files).
+    Files left wider by an older version are narrowed."""
+    private_dir(db.parent)
+    private_file(db)
+    for suffix in ("-wal", "-shm", "-journal"):
+        side = db.with_name(db.name + suffix)
+        if side.exists():
+            private_file(side)
+
+
 class SqlStore:
     """Store over any SQLAlchemy URL. Thread-safe: each call checks a connection out of the pool."""
 
@@ -49,7 +65,7 @@ class SqlStore:
             if url.startswith("sqlite"):
                 path = url.split("///", 1)[-1]
                 if path and path != ":memory:":
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    _private_sqlite(Path(path))
                 self._engine: Engine = create_engine(url, connect_args={"check_same_thread": False})
                 event.listen(self._engine, "connect", _sqlite_pragmas)
             else:
@@ -78,7 +94,7 @@ class SqlStore:
         if self._engine.dialect.name == "sqlite":
             path = self._engine.url.database
             if path and path != ":memory:" and os.path.exists(path):
-                os.chmod(path, 0o600)  # it holds token hashes
+                _private_sqlite(Path(path))
 
     def close(self) -> None:
         self._engine.dispose()
@@ -122,6 +138,8 @@ class SqlStore:
     def delete_pool(self, name: str) -> bool:
         def go() -> bool:
             with self._engine.begin() as conn:
+                # A pool re-created under the same name must not accept the old pool's tokens.
+                conn.execute(delete(t.tokens).where(t.tokens.c.pool == name))
                 return conn.execute(delete(t.pools).where(t.pools.c.name == name)).rowcount > 0
 
         return bool(self._run("delete_pool", go))
@@ -179,6 +197,10 @@ class SqlStore:
                     ]
                     res = conn.execute(insert(t.events).returning(t.events.c.id, sort_by_parameter_order=True), rows)
                     ids.extend(int(i) for i in res.scalars())
+                if batch.deleted_workers:
+                    gone = list(batch.deleted_workers)
+                    conn.execute(delete(t.directives).where(t.directives.c.worker_id.in_(gone)))
+                    conn.execute(delete(t.workers).where(t.workers.c.id.in_(gone)))
             return ids
 
         return list(self._run("write", go))
@@ -206,6 +228,17 @@ class SqlStore:
             ]
 
         return list(self._run("list_directives", go))
+
+    def prune_events(self, before: float, keep: Sequence[EventType] = ()) -> int:
+        stmt = delete(t.events).where(t.events.c.ts < before)
+        if keep:
+            stmt = stmt.where(t.events.c.type.not_in([k.value for k in keep]))
+
+        def go() -> int:
+            with self._engine.begin() as conn:
+                return int(conn.execute(stmt).rowcount)
+
+        return int(self._run("prune_events", go))
 
     def query_events(self, query: EventQuery) -> list[Event]:
         ev = t.events
@@ -263,6 +296,49 @@ class SqlStore:
             return [TokenRow(r.token_hash, r.pool, r.kind, r.label, r.created_at) for r in rows]
 
         return list(self._run("list_tokens", go))
+
+    def delete_token(self, token_hash: str) -> bool:
+        def go() -> bool:
+            with self._engine.begin() as conn:
+                return conn.execute(delete(t.tokens).where(t.tokens.c.token_hash == token_hash)).rowcount > 0
+
+        return bool(self._run("delete_token", go))
+
+    # -- runtimes --------------------------------------------------------------------------
+    def put_runtime(self, runtime: RuntimeRow) -> None:
+        row = {
+            "id": runtime.id,
+            "name": runtime.name,
+            "type": runtime.type,
+            "callback_url": runtime.callback_url,
+            "secret": runtime.secret,
+            "token_hash": runtime.token_hash,
+            "pool": runtime.pool,
+            "registered_at": runtime.registered_at,
+            "report": dict(runtime.report),
+            "reported_at": runtime.reported_at,
+        }
+
+        def go() -> None:
+            with self._engine.begin() as conn:
+                self._upsert(conn, t.runtimes, [row], "id")
+
+        self._run("put_runtime", go)
+
+    def list_runtimes(self) -> list[RuntimeRow]:
+        def go() -> list[RuntimeRow]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(select(t.runtimes).order_by(t.runtimes.c.id)).mappings().all()
+            return [RuntimeRow(**dict(r)) for r in rows]
+
+        return list(self._run("list_runtimes", go))
+
+    def delete_runtime(self, runtime_id: str) -> bool:
+        def go() -> bool:
+            with self._engine.begin() as conn:
+                return conn.execute(delete(t.runtimes).where(t.runtimes.c.id == runtime_id)).rowcount > 0
+
+        return bool(self._run("delete_runtime", go))
 
 
 def _worker_to_row(w: WorkerRow) -> dict[str, Any]:

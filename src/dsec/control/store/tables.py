@@ -72,3 +72,18 @@ tokens = Table(
     Column("label", Text, nullable=False),
     Column("created_at", Float, nullable=False),
 )
+
+runtimes = Table(
+    "runtimes",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("name", String(128), nullable=False),
+    Column("type", String(64), nullable=False),
+    Column("callback_url", Text, nullable=False),
+    Column("secret", Text, nullable=False),
+    Column("token_hash", String(64), nullable=False),
+    Column("pool", String(128), nullable=True),
+    Column("registered_at", Float, nullable=False),
+    Column("report", JSON, nullable=False),
+    Column("reported_at", Float, nullable=True),
+)

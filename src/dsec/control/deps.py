@@ -1,0 +1,22 @@
+"""What every route module shares: the Authorization header, path parameters and the app's ControlPlane."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Header, Path, Request
+
+from dsec.control.schemas import NAME_PATTERN
+
+if TYPE_CHECKING:
+    from dsec.control.service import ControlPlane
+
+Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
+WorkerId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+PoolName = Annotated[str, Path(pattern=NAME_PATTERN)]
+TokenId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the id POST /v1/tokens answered")]
+
+
+def cp_of(request: Request) -> ControlPlane:
+    cp: ControlPlane = request.app.state.cp
+    return cp

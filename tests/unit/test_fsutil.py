@@ -1,0 +1,70 @@
+"""dsec.fsutil: private files are private from their first byte (docs/security.md, finding 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.fsutil import PRIVATE_FILE, private_dir, private_file, write_atomic
+
+
+@pytest.fixture
+def usual_umask() -> Iterator[None]:
+    old = os.umask(0o022)  # what most accounts run with: new files readable by everyone unless made otherwise
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_a_private_file_is_never_seen_with_a_wider_mode(tmp_path: Path, usual_umask: None) -> None:
+    """Another local user polling the directory (here a thread doing the same) must never find the file, or its
+    temporary name, readable: the mode is set when the file is created, not by a chmod after the write."""
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for entry in os.scandir(tmp_path):
+                with contextlib.suppress(FileNotFoundError):  # renamed away meanwhile
+                    seen.add(stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode))
+
+    watcher = threading.Thread(target=watch, name="test-watcher")
+    watcher.start()
+    try:
+        for i in range(300):
+            write_atomic(tmp_path / "secrets.json", b'{"secret": "%d"}' % i, mode=PRIVATE_FILE)
+    finally:
+        stop.set()
+        watcher.join()
+    assert seen == {0o600}
+
+
+def test_the_default_mode_is_unchanged_for_shared_files(tmp_path: Path, usual_umask: None) -> None:
+    write_atomic(tmp_path / "chunk", b"x")
+    assert stat.S_IMODE((tmp_path / "chunk").stat().st_mode) == 0o644
+
+
+def test_private_dir_creates_0700_and_leaves_an_existing_one(tmp_path: Path, usual_umask: None) -> None:
+    made = private_dir(tmp_path / "a" / "home")
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    private_dir(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+
+
+def test_private_file_creates_or_narrows(tmp_path: Path, usual_umask: None) -> None:
+    private_file(tmp_path / "new.db")
+    assert stat.S_IMODE((tmp_path / "new.db").stat().st_mode) == 0o600
+    old = tmp_path / "old.db"
+    old.write_bytes(b"data")
+    assert stat.S_IMODE(old.stat().st_mode) == 0o644
+    private_file(old)
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600 and old.read_bytes() == b"data"
