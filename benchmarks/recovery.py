@@ -188,8 +188,13 @@ def dsec_mode(mode: str, runs: int, ranks: int, root: Path) -> dict[str, Any]:
                 raise RuntimeError(f"{mode}: the job did not finish: {sup.failed}")
         finally:
             sup.stop()
-        log = home / "logs" / "learners-0.log"
-        final = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith('{"reached"')]
+        # Rank 0's result line: in its own log, or a standby's (a replacement runs in a standby's process).
+        final = [
+            json.loads(ln)
+            for log in sorted((home / "logs").glob("*.log"))
+            for ln in log.read_text().splitlines()
+            if ln.startswith('{"reached"')
+        ]
         anomalies = c.all_events(types=["anomaly"])
         workers = c.workers(pool="bench")
     drift_checks = sum(int(w["metrics"].get("replica_checks_total", 0)) for w in workers)

@@ -13,6 +13,7 @@ when they start; they are only used for ``python script.py ...`` / ``python -m m
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -82,6 +83,7 @@ class LocalLauncher:
         # Standbys import torch: start them once a group has settled, not while it is (re)starting on the same CPUs.
         self.refill_after_s = refill_after_s
         self._refill_due: dict[str, tuple[float, list[WorkerLaunch]]] = {}
+        self._ranks: collections.defaultdict[str, dict[str, WorkerLaunch]] = collections.defaultdict(dict)
         self._ready_tmp: Path | None = None
 
     def _log(self, name: str) -> IO[bytes] | None:
@@ -121,7 +123,11 @@ class LocalLauncher:
         if self.warm:
             for group in sorted({w.group for w in workers}):
                 due = time.monotonic() + self.refill_after_s
-                self._refill_due[group] = (due, [w for w in workers if w.group == group])
+                # One standby per rank of the group, whichever ranks this start was for (a replacement is one).
+                for w in workers:
+                    if w.group == group:
+                        self._ranks[group][w.worker] = w
+                self._refill_due[group] = (due, list(self._ranks[group].values()))
 
     # -- standbys ----------------------------------------------------------------------------------------------
     def _take_spare(self, w: WorkerLaunch) -> _Proc | None:

@@ -212,7 +212,13 @@ class SyncCoordinator:
         period = sh.STAMP_PERIOD_MS[bits]
         if last:
             header = sh.encode_slots(
-                self._my_header(0.0), self.rank, self.world, bits, send.dtype, sh.stamp_now_ms(time.time())
+                self._my_header(0.0),
+                self.rank,
+                self.world,
+                bits,
+                send.dtype,
+                sh.stamp_now_ms(time.time()),
+                device=send.device,  # the bucket's (a GPU under NCCL)
             )
             send = torch.cat((send, header))
         nbytes = send.numel() * send.element_size()
@@ -257,7 +263,7 @@ class SyncCoordinator:
             decoded = quant.dequantize(qt)
         if use_ef and decoded is not None:
             self._residual[params] = x - decoded
-        header = sh.encode_bytes(self._my_header(time.time()))
+        header = sh.encode_bytes(self._my_header(time.time()), device=payload.device)
         return torch.cat((header, payload.reshape(-1)))
 
     def _decode(self, chunk: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
@@ -281,13 +287,13 @@ class SyncCoordinator:
         sizes = [HEADER_BYTES + chunk_bytes(n, b, self.block) for b in bits]
         nbytes = mine.numel()
         if len(set(bits)) == 1:
-            outs = [torch.empty(sizes[0], dtype=torch.uint8) for _ in range(self.world)]
+            outs = [torch.empty(sizes[0], dtype=torch.uint8, device=mine.device) for _ in range(self.world)]
             work = self._c.all_gather(outs, mine, group=self.pg, async_op=True)
 
             def chunks() -> list[torch.Tensor]:
                 return outs
         else:
-            out = torch.empty(sum(sizes), dtype=torch.uint8)
+            out = torch.empty(sum(sizes), dtype=torch.uint8, device=mine.device)
             work = self._c.all_to_all_single(
                 out,
                 mine.repeat(self.world),
@@ -307,7 +313,7 @@ class SyncCoordinator:
                 self.telemetry.record_sync(nbytes, time.perf_counter() - start, False)
                 raise
             parts = chunks()
-            total = torch.zeros(n, dtype=torch.float32)
+            total = torch.zeros(n, dtype=torch.float32, device=buf.device)
             latency = time.perf_counter() - start
             for r, part in enumerate(parts):
                 total += self._decode(part, n, bits[r])

@@ -25,7 +25,7 @@ import enum
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -73,9 +73,11 @@ def slots_per_rank(bits: int) -> int:
     return 1 + sum(_pieces(w, cap) for _, w in _WIDTHS)
 
 
-def encode_slots(h: Header, rank: int, world: int, bits: int, dtype: torch.dtype, stamp_ms: float) -> torch.Tensor:
-    """The header as ``world * slots_per_rank`` elements of ``dtype``: this rank's fields in its slots, zeros
-    elsewhere (summed over ranks by the all_reduce)."""
+def encode_slots(
+    h: Header, rank: int, world: int, bits: int, dtype: torch.dtype, stamp_ms: float, device: Any = None
+) -> torch.Tensor:
+    """The header as ``world * slots_per_rank`` elements of ``dtype`` (on ``device``: the bucket's): this rank's
+    fields in its slots, zeros elsewhere (summed over ranks by the all_reduce)."""
     import torch
 
     cap = SLOT_BITS[bits]
@@ -87,8 +89,8 @@ def encode_slots(h: Header, rank: int, world: int, bits: int, dtype: torch.dtype
             raise ValueError(f"header field {name}={v} does not fit in {width} bits")
         for i in range(_pieces(width, cap)):
             values.append(float((v >> (cap * i)) & ((1 << cap) - 1)))
-    out = torch.zeros(n * world, dtype=dtype)
-    out[n * rank : n * (rank + 1)] = torch.tensor(values, dtype=dtype)
+    out = torch.zeros(n * world, dtype=dtype, device=device)
+    out[n * rank : n * (rank + 1)] = torch.tensor(values, dtype=dtype, device=device)
     return out
 
 
@@ -113,11 +115,12 @@ def decode_slots(slots: torch.Tensor, world: int, bits: int) -> list[Header]:
     return out
 
 
-def encode_bytes(h: Header) -> torch.Tensor:
+def encode_bytes(h: Header, device: Any = None) -> torch.Tensor:
     import torch
 
     raw = _STRUCT.pack(h.bits, h.accum, h.stamp, h.flags, h.fingerprint, h.hyper, h.admit)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out if device is None else out.to(device)
 
 
 def decode_bytes(chunk: torch.Tensor) -> Header:
