@@ -71,24 +71,19 @@ class HealClient:
             try:
                 return self._client().request(method, f"/v1/heal/{self.me.run}/{path}", json=json, params=params)
             except Unreachable:
-                now = time.monotonic()
-                first_failure = first_failure or now
-                if now - first_failure > self.give_up_s or self._closed.is_set():
-                    raise HealUnavailable(f"control plane unreachable for {now - first_failure:.1f} s") from None
-                time.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(2.0, delay * 2)
+                why = "unreachable"
             except ApiError as exc:
                 if exc.status == 409 and exc.code == "fenced":
                     raise FencedOut(exc.message) from None
-                if exc.status in (429, 503):  # busy or its store briefly unavailable: as unreachable, retry
-                    now = time.monotonic()
-                    first_failure = first_failure or now
-                    if now - first_failure > self.give_up_s or self._closed.is_set():
-                        raise HealUnavailable(f"control plane refused for {now - first_failure:.1f} s") from None
-                    time.sleep(delay * random.uniform(0.5, 1.0))
-                    delay = min(2.0, delay * 2)
-                    continue
-                raise
+                if exc.status not in (429, 503):
+                    raise
+                why = "busy"  # rate-limited, or its store briefly unavailable: as unreachable, retry
+            now = time.monotonic()
+            first_failure = first_failure or now
+            if now - first_failure > self.give_up_s or self._closed.is_set():
+                raise HealUnavailable(f"control plane {why} for {now - first_failure:.1f} s") from None
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(2.0, delay * 2)
 
     # -- protocol --------------------------------------------------------------------------------------------
     def join(
