@@ -28,17 +28,33 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from dsec.sim.scenario import Scenario
-from dsec.sim.world import Kind, Layout, Trace, Truth, generate, layout_of, sample_noise, truth_of
+from dsec.sim.world import DOWN, PENDING, RUN, Kind, Layout, Trace, Truth, generate, layout_of, sample_noise, truth_of
 
-if TYPE_CHECKING:
-    from dsec.sim.regimes import Regime
 
-RUN, DOWN, PENDING = 0, 1, 2
+class Regime(Protocol):
+    """What the loop asks of a regime (dsec.sim.regimes implements it); a protocol, so the loop does not import the
+    regimes that drive it."""
+
+    name: str
+    durable_interval_s: float
+    durable_cost_s: float
+    pending: list[int]
+
+    def attach(self, sim: Simulation) -> None: ...
+    def place_all(self, t: float) -> None: ...
+    def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float: ...
+    def power_off(self, t: float, cards: list[int]) -> None: ...
+    def capacity_back(self, t: float) -> None: ...
+    def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None: ...
+    def meltdowns(self) -> int | None: ...
+    def decisions(self) -> dict[str, int]: ...
+
+
 _UP, _DURABLE = 0, 1
 
 

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from dsec.policy import PolicySet
+from dsec.sim.dsec_regime import DsecRegime
 from dsec.sim.engine import Outcome, Simulation
-from dsec.sim.regimes import Baseline, DsecRegime, Regime, example_policy_files, policies_from
+from dsec.sim.regimes import Baseline, Regime, example_policy_files, policies_from
 from dsec.sim.scenario import Scenario
 from dsec.sim.world import generate, layout_of, truth_of
 

@@ -21,6 +21,9 @@ import numpy as np
 
 from dsec.sim.scenario import GpuTruth, Scenario
 
+#: A group's status in the simulation (engine and regimes share it).
+RUN, DOWN, PENDING = 0, 1, 2
+
 
 class Kind(enum.IntEnum):
     # Order = processing order of events at the same instant: world changes first, then the sample that sees them.

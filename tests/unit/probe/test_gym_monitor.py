@@ -85,7 +85,7 @@ class _Crashy(gym.Wrapper):  # type: ignore[misc]
 
 
 def test_interrupted_episodes_raise_a_stuck_alert(probe: Probe) -> None:
-    gym.register(id="DsecCrashy-v0", entry_point=lambda: _Crashy(gym.envs.classic_control.CartPoleEnv()))
+    gym.register(id="DsecCrashy-v0", entry_point=lambda: _Crashy(gym.make("CartPole-v1").unwrapped))
     try:
         env = gym.make("DsecCrashy-v0")
         env.reset(seed=0)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from dsec.model import DeviceHealth
+from dsec.sim.dsec_regime import DsecRegime
 from dsec.sim.engine import Simulation
-from dsec.sim.regimes import Baseline, DsecRegime, example_policy_files, policies_from
+from dsec.sim.regimes import Baseline, example_policy_files, policies_from
 from dsec.sim.report import write_report
 from dsec.sim.runner import scenario_policies, simulate
 from dsec.sim.scenario import Scenario, load_scenario

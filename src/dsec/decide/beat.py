@@ -1,0 +1,145 @@
+"""Per-beat decisions about one worker: its circuit breaker, the precision guard, and the anomalies its probe
+reported (stuck episodes, replica drift, non-finite gradients).
+
+A decision made here rides back in the same heartbeat answer, so detection -> directive costs no extra round
+trip. The breaker and the guard are the worker's own decision state, handed in by their owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dsec.alerts.model import Severity
+from dsec.breaker import Action, Breaker, Caps, Transition, fields_for
+from dsec.decide.caps import sample_from
+from dsec.decide.verdicts import Verdict, alert_event
+from dsec.decide.views import WorkerView
+from dsec.health.interventions import PrecisionGuard, stuck_episode
+from dsec.model import Event, EventType, Pool
+
+
+@dataclass(frozen=True)
+class BreakerMove:
+    """A breaker transition and, when it acts, the directive patch of its new ladder level."""
+
+    transition: Transition
+    patch: dict[str, Any] | None
+
+
+def breaker_step(breaker: Breaker, caps: Caps, acked_version: int, now: float) -> BreakerMove | None:
+    """Let ``breaker`` decide at ``now`` (after its samples were observed); None when it stays put."""
+    t = breaker.decide(now, caps, acked_version)
+    if t is None:
+        return None
+    patch = fields_for(t.level_after, breaker.causes, caps.memory_gb) if t.action is not Action.NONE else None
+    return BreakerMove(t, patch)
+
+
+def breaker_events(w: WorkerView, move: BreakerMove, caps: Caps, now: float) -> list[Event]:
+    """The breaker's transition as an event (``meltdown`` / ``recovered`` / ``breaker``), with a warning alert on
+    a meltdown."""
+    t = move.transition
+    etype = EventType.MELTDOWN if t.meltdown else EventType.RECOVERED if t.after.value == "closed" else None
+    data = {"kind": "breaker", **t.to_dict(), "caps": caps.limits()}
+    out = [Event(ts=now, type=etype or EventType.BREAKER, worker_id=w.id, pool=w.pool, data=data)]
+    if t.meltdown:
+        causes = sorted(t.evidence.get("over", {}))
+        out.append(
+            alert_event(
+                now,
+                f"{w.agent}_meltdown_{'_'.join(causes) or 'overload'}",
+                Severity.WARNING,
+                f"breaker opened on {', '.join(causes)}: degraded to level 1",
+                data,
+                w.id,
+                w.pool,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class BeatInputs:
+    """One accepted heartbeat of ``worker``: its metrics, its events as recorded, the directive version it acked."""
+
+    worker: WorkerView
+    pool: Pool | None
+    caps: Caps
+    metrics: Mapping[str, Any]
+    events: Sequence[Event]
+    acked_version: int
+    now: float
+
+
+def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Verdict:
+    """Everything one beat decides: the breaker's move, anomaly responses, the precision guard's fallback."""
+    verdict = Verdict()
+    w, now = beat.worker, beat.now
+    if beat.metrics:
+        breaker.observe(sample_from(beat.metrics, now), beat.caps)
+    move = breaker_step(breaker, beat.caps, beat.acked_version, now)
+    if move is not None:
+        verdict.breaker_moved = True
+        if move.patch is not None:
+            verdict.add("breaker", move.patch)
+            verdict.breaker_issued = True
+        verdict.events += breaker_events(w, move, beat.caps, now)
+    for ev in beat.events:
+        if ev.type is EventType.ANOMALY:
+            _on_anomaly(beat, ev, guard, verdict)
+    grad_norm = beat.metrics.get("grad_norm") if beat.metrics else None
+    if isinstance(grad_norm, (int, float)) and not isinstance(grad_norm, bool):
+        decision = guard.observe(float(grad_norm), w.fields.precision, now)
+        if decision is not None:
+            _precision(w, decision, now, verdict)
+    return verdict
+
+
+def _on_anomaly(beat: BeatInputs, ev: Event, guard: PrecisionGuard, verdict: Verdict) -> None:
+    w, now, kind = beat.worker, beat.now, ev.data.get("kind")
+    if kind == "episode_stuck":
+        if beat.pool is None:
+            return
+        count = ev.data.get("count")
+        d = stuck_episode(
+            {**w.fields.to_dict(), **verdict.patch},
+            beat.pool.memory_base_gb,
+            beat.pool.memory_ceiling_gb,
+            w.agent,
+            str(ev.data.get("reason") or "unknown"),
+            int(count) if isinstance(count, int) else 0,
+        )
+        verdict.add("stuck_episode", d.patch)
+        verdict.events.append(
+            alert_event(now, d.alert, Severity.WARNING, "consecutive interrupted episodes", d.data, w.id, w.pool)
+        )
+    elif kind == "replica_drift":
+        # DDP replicas that no longer hold the same weights train different models and average their
+        # gradients: nothing downstream of this is trustworthy until they are made identical again.
+        summary = str(ev.data.get("message") or "replica parameters differ from the group's")
+        verdict.events.append(
+            alert_event(now, f"{w.agent}_replica_drift", Severity.CRITICAL, summary, dict(ev.data), w.id, w.pool)
+        )
+    elif kind == "non_finite_gradient":
+        decision = guard.instability(
+            "non_finite_gradient", w.fields.precision, now, {"grad_norm": ev.data.get("grad_norm")}
+        )
+        if decision is not None:
+            _precision(w, decision, now, verdict)
+        else:
+            summary = f"non-finite gradient at precision {w.fields.precision}; no fallback configured"
+            verdict.events.append(
+                alert_event(
+                    now, f"{w.agent}_non_finite_gradient", Severity.CRITICAL, summary, dict(ev.data), w.id, w.pool
+                )
+            )
+
+
+def _precision(w: WorkerView, decision: tuple[dict[str, Any], dict[str, Any]], now: float, verdict: Verdict) -> None:
+    patch, data = decision
+    verdict.add("precision_fallback", patch)
+    name = f"{w.agent}_precision_fallback_{data['from']}_to_{data['to']}"
+    summary = f"{data['kind']}: precision {data['from']} -> {data['to']}"
+    verdict.events.append(alert_event(now, name, Severity.WARNING, summary, data, w.id, w.pool))

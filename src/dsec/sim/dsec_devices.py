@@ -1,0 +1,114 @@
+"""DSec's degraded-device detection in the simulator.
+
+The fleet comparison per group (``dsec.health.fleet``), the slow and judged workers (``dsec.decide.fleet``), their
+occupancy per card (``dsec.decide.occupancy``) and the device-health timers (``dsec.scheduler.DeviceHealthTracker``);
+a degraded card's groups move (``dsec.decide.degrade``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsec.decide import degrade, judged_workers, occupancy, slow_workers
+from dsec.health.fleet import FleetConfig, PeerSample, compare
+from dsec.model import DeviceHealth
+from dsec.scheduler import DeviceHealthConfig, DeviceHealthTracker
+from dsec.sim.regimes import Regime
+from dsec.sim.scenario import Scenario
+
+
+class DeviceHealthPass(Regime):
+    """Device health of :class:`~dsec.sim.dsec_regime.DsecRegime` (set up by its ``attach``)."""
+
+    sc: Scenario
+    reference: bool
+    fleet_config: FleetConfig
+    health_config: DeviceHealthConfig
+    tracker: DeviceHealthTracker
+    degraded: np.ndarray
+    card_names: list[str]
+    health_by_name: dict[str, DeviceHealth]
+    pool_names: list[str]
+    recovering_until: np.ndarray
+
+    def _record_runs(self, victims: list[int], t: float, failed: bool, oom: bool) -> None:
+        raise NotImplementedError
+
+    def _device_health(self, t: float, run: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
+        sim, lay = self.sim, self.sim.layout
+        slow: set[int] = set()
+        judged: set[int] = set()
+        groups = np.unique(sim.group_of[run])
+        if len(groups):
+            n = sim.n
+            step_ms = ((compute_s + latency_ms / 1000.0 / sim.accum) * 1000.0).reshape(sim.G, n)
+            lat = latency_ms.reshape(sim.G, n)
+            candidates = groups if self.reference else groups[self._may_have_outliers(groups, step_ms, lat)]
+            for g in candidates.tolist():
+                samples = [
+                    PeerSample(
+                        str(w),
+                        "learner" if sim.is_learner[w] else "actor",
+                        self.pool_names[g],
+                        {"step_ms_mean": float(step_ms[g, i]), "sync_latency_ms_p50": float(lat[g, i])},
+                    )
+                    for i, w in enumerate(range(g * n, (g + 1) * n))
+                ]
+                report = compare(samples, self.fleet_config)
+                slow |= {int(w) for w in slow_workers(report.outliers_by_worker())}
+                if self.reference:
+                    judged |= {int(w) for w in judged_workers(samples, report, self.fleet_config)}
+        if not self.reference:
+            # Fast path, exact: every worker of a running group reports both speed features, so a role's peer
+            # count is its size and judged_workers() is every worker of a role with >= min_peers members (the
+            # reference mode computes it from the comparison; tests/unit/sim compares the two).
+            min_peers = self.fleet_config.min_peers
+            learners, actors = self.sc.groups.learners >= min_peers, self.sc.groups.actors >= min_peers
+            judged = {w for w in run.tolist() if (learners if sim.is_learner[w] else actors)}
+        card_of_run = (sim.slot_of[run] // lay.workers_per_gpu).tolist()
+        placed = zip((self.card_names[c] for c in card_of_run), run.tolist(), strict=True)
+        for change in self.tracker.step(t, self.health_by_name, occupancy(placed, judged, slow)):
+            c = self._card_index(change.device)
+            self.set_card_health(c, change.after)
+            self.counts[f"device:{change.after.value}"] += 1
+            if change.degraded:
+                self._migrate_off(c, t)
+
+    def set_card_health(self, card: int, health: DeviceHealth) -> None:
+        self.health_by_name[self.card_names[card]] = health
+        self.degraded[card] = health is DeviceHealth.DEGRADED
+
+    def _may_have_outliers(self, groups: np.ndarray, step_ms: np.ndarray, lat: np.ndarray) -> np.ndarray:
+        """Which groups ``compare`` could flag anyone in (an exact pre-filter, vectorized over groups): an outlier's
+        excess over its role's median must exceed the feature's floors, so a group whose largest excess does not
+        cannot have one. Comparing only the others gives the same flags for a fraction of the cost."""
+        learners = self.sc.groups.learners
+        out = np.zeros(len(groups), dtype=bool)
+        specs = {f.name: f for f in self.fleet_config.features}
+        for lo, hi in ((0, learners), (learners, self.sim.n)):
+            if hi - lo < self.fleet_config.min_peers:
+                continue
+            for name, values in (("step_ms_mean", step_ms), ("sync_latency_ms_p50", lat)):
+                spec = specs.get(name)
+                if spec is None:
+                    continue
+                sub = values[groups, lo:hi]
+                med = np.median(sub, axis=1)
+                floor = np.maximum(spec.min_abs_excess, spec.min_rel_excess * np.abs(med))
+                out |= sub.max(axis=1) - med > floor - 1e-9
+        return out
+
+    def _card_index(self, name: str) -> int:
+        node, rest = name[1:].split("-g")
+        return int(node) * self.sim.layout.gpus_per_node + int(rest)
+
+    def _migrate_off(self, card: int, t: float) -> None:
+        """The card degraded: its workers were asked for a snapshot; their groups move from it."""
+        sim, lay = self.sim, self.sim.layout
+        ws = [int(w) for w in sim.occupant[card * lay.workers_per_gpu : (card + 1) * lay.workers_per_gpu] if w >= 0]
+        groups = sorted({int(sim.group_of[w]) for w in ws})
+        for g in groups:
+            self.recovering_until[g] = degrade(self.card_names[card], t, self.health_config).hold_until
+            victims = [w for w in ws if sim.group_of[w] == g]
+            self.counts["migrations"] += 1
+            self._record_runs(victims, t, failed=False, oom=False)
+            sim.fail(g, t, "migration", victims, durable_first=True)
