@@ -425,7 +425,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     )
     app.state.cp = cp
     app.state.settings = settings
-    app.state.metrics = ControlPlaneMetrics(cp)
+    app.state.metrics = ControlPlaneMetrics(cp.gauges)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.alerts import Alert, AlertRouter, Severity
 from dsec.breaker import Breaker, BreakerConfig, Caps
+from dsec.control.views import view_of
 from dsec.control.worker_alerts import worker_alert
 from dsec.decide import (
     SOURCE,
@@ -59,12 +60,6 @@ class JudgeConfig:
     precision_stable_s: float = 300.0
     grad_spike_factor: float = 10.0
     memory_pressure: float = 1.0  # the breaker's memory cap as a fraction of the memory ceiling
-
-
-def view_of(w: LiveWorker) -> WorkerView:
-    """What a decision may know of a live worker, frozen at this moment."""
-    i = w.info
-    return WorkerView(w.id, w.pool, i.role.value, i.group, i.rank, w.state, w.directive.fields, w.metrics, i.device)
 
 
 class Judge:

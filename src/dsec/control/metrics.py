@@ -24,17 +24,15 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dsec.control.gauges import pool_gauges, worker_gauges
-
 if TYPE_CHECKING:
-    from dsec.control.service import ControlPlane
+    from dsec.control.ports import GaugeSource
 
 
 class PoolCollector(Collector):
     """dsec_* gauges per pool, derived from workers' reported metrics and recorded events."""
 
-    def __init__(self, cp: ControlPlane) -> None:
-        self._cp = cp
+    def __init__(self, gauges: GaugeSource) -> None:
+        self._gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
         util = GaugeMetricFamily(
@@ -79,7 +77,7 @@ class PoolCollector(Collector):
             "Pool memory accounting of the elastic quotas: device capacity, quota granted, memory used.",
             labels=["pool", "kind"],
         )
-        for pool, g in pool_gauges(self._cp).items():
+        for pool, g in self._gauges.pool_gauges().items():
             util.add_metric([pool], g.utilization)
             sync.add_metric([pool], g.sync_success)
             recovery.add_metric([pool], g.recovery_s)
@@ -89,7 +87,7 @@ class PoolCollector(Collector):
             pending.add_metric([pool], float(g.pending))
             for kind, value in g.memory.items():
                 memory.add_metric([pool, kind], value)
-        for wg in worker_gauges(self._cp):
+        for wg in self._gauges.worker_gauges():
             if wg.meltdowns:
                 worker_melt.add_metric([wg.pool, wg.worker], wg.meltdowns)
             if wg.active:
@@ -98,11 +96,11 @@ class PoolCollector(Collector):
 
 
 class ControlPlaneMetrics:
-    def __init__(self, cp: ControlPlane) -> None:
+    def __init__(self, gauges: GaugeSource) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self.registry.register(PoolCollector(cp))
+        self.registry.register(PoolCollector(gauges))
         self.requests = Counter(
             "dsec_http_requests_total",
             "HTTP requests by route template, method and status.",

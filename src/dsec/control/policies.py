@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.control import errors
-from dsec.control.gauges import pool_gauges, worker_gauges
+from dsec.decide import policy_samples
 from dsec.fsutil import PRIVATE_FILE, write_atomic
 from dsec.model import Event, EventType, ModelError, Pool, WorkerState
 from dsec.policy.engine import Decision, Engine, RuleState, Scope, Transition
@@ -32,33 +32,18 @@ from dsec.policy.series import Key, SeriesStore
 from dsec.yamlconf import ConfigError
 
 if TYPE_CHECKING:
-    from dsec.control.service import ControlPlane
+    from dsec.control.ports import Clock, DirectiveWriter, EventLog, GaugeSource, PoolWriter
+    from dsec.control.settings import Settings
+    from dsec.control.state import HotState
 
 log = logging.getLogger(__name__)
 
 DIRECTIVE_MIRRORS = ("snapshot_interval_s", "snapshot_compression_level")  # pool fields workers follow
 
 
-def samples(cp: ControlPlane, workers: bool = True) -> dict[Key, float]:
+def samples(gauges: GaugeSource, workers: bool = True) -> dict[Key, float]:
     """The gauges policies read, keyed (metric, pool, worker); per-worker ones only when ``workers``."""
-    out: dict[Key, float] = {}
-    for pool, g in pool_gauges(cp).items():
-        out[("dsec_sandbox_utilization_rate", pool, None)] = g.utilization
-        out[("dsec_gradient_sync_success_rate", pool, None)] = g.sync_success
-        out[("dsec_snapshot_recovery_time", pool, None)] = g.recovery_s
-        out[("dsec_melt_down_count", pool, None)] = g.meltdowns
-        out[("dsec_directives_pending", pool, None)] = float(g.pending)
-        out[("dsec_workers_active", pool, None)] = float(g.workers[WorkerState.ACTIVE])
-        out[("dsec_workers_lost", pool, None)] = float(g.workers[WorkerState.LOST])
-        if "used" in g.memory:
-            out[("dsec_pool_memory_used_gb", pool, None)] = g.memory["used"]
-        if "granted" in g.memory:
-            out[("dsec_pool_memory_granted_gb", pool, None)] = g.memory["granted"]
-    for wg in worker_gauges(cp) if workers else ():
-        if wg.active:
-            out[("dsec_worker_melt_down_count", wg.pool, wg.worker)] = wg.meltdowns
-            out[("dsec_breaker_level", wg.pool, wg.worker)] = wg.level
-    return out
+    return policy_samples(gauges.pool_gauges(), gauges.worker_gauges() if workers else ())
 
 
 def pool_knob(pool: Pool, name: str) -> float | None:
@@ -79,14 +64,31 @@ def with_pool_knob(pool: Pool, name: str, value: float) -> Pool:
 
 
 class PolicyRunner:
-    def __init__(self, cp: ControlPlane) -> None:
-        self.cp = cp
-        self.interval_s = cp.settings.policy_interval_s
+    """Owns the rules, their history and their states; acts through the ports it is given."""
+
+    def __init__(
+        self,
+        state: HotState,
+        settings: Settings,
+        events: EventLog,
+        gauges: GaugeSource,
+        directives: DirectiveWriter,
+        pools: PoolWriter,
+        clock: Clock,
+    ) -> None:
+        self.state = state
+        self.settings = settings
+        self.events = events
+        self.gauges = gauges
+        self.directives = directives
+        self.pools = pools
+        self.clock = clock
+        self.interval_s = settings.policy_interval_s
         self.series = SeriesStore(retention_s=3600.0)
         self.engine = Engine(PolicySet())
         self._last_tick = -math.inf
         self._last_outcome: dict[tuple[str, str, str], str] = {}
-        self.applied_path = cp.settings.home / "policies.yaml"
+        self.applied_path = settings.home / "policies.yaml"
         self._apply_lock = asyncio.Lock()
 
     # -- loading ----------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ class PolicyRunner:
         """Startup: the rules (``--policy`` file, else the last applied one), their persisted states, and the
         meltdown history. A broken applied file is logged and skipped; ``dsec serve --policy`` checks its file
         before it starts."""
-        source = self.cp.settings.policy_file or (self.applied_path if self.applied_path.exists() else None)
+        source = self.settings.policy_file or (self.applied_path if self.applied_path.exists() else None)
         if source is not None:
             try:
                 policies = compile_policies(Path(source).read_text(), str(source))
@@ -103,7 +105,7 @@ class PolicyRunner:
                 policies = PolicySet()
             self._install(policies)
         states: dict[tuple[str, str], RuleState] = {}
-        for ev in self.cp._iter_events(EventType.POLICY):
+        for ev in self.events.iter_events(EventType.POLICY):
             st = ev.data.get("state")
             if isinstance(st, dict) and "rule" in ev.data and "scope" in ev.data:
                 states[(str(ev.data["rule"]), str(ev.data["scope"]))] = RuleState.from_dict(st)
@@ -116,15 +118,15 @@ class PolicyRunner:
         self.series.retention_s = max(3600.0, policies.history_s + 2 * self.interval_s)
 
     def _seed_meltdowns(self) -> None:
-        now = self.cp.clock()
+        now = self.clock()
         since = now - self.series.retention_s
         points: dict[str, list[tuple[float, float]]] = {}
-        recent = [ev for ev in self.cp._iter_events(EventType.MELTDOWN, since=since) if ev.pool]
+        recent = [ev for ev in self.events.iter_events(EventType.MELTDOWN, since=since) if ev.pool]
         for ev in recent:
             assert ev.pool is not None
             points.setdefault(ev.pool, []).append((ev.ts, 1.0))
         for pool, evs in points.items():
-            total = float(self.cp.state.meltdowns.get(pool, 0))
+            total = float(self.state.meltdowns.get(pool, 0))
             count = total - len(evs)
             series = [(since, count)]
             for ts, _ in evs:
@@ -141,21 +143,21 @@ class PolicyRunner:
             policies = await asyncio.to_thread(compile_policies, text, source)
             await asyncio.to_thread(write_atomic, self.applied_path, text.encode(), mode=PRIVATE_FILE)
         self._install(policies)
-        now = self.cp.clock()
-        await self.cp.record_events(
+        now = self.clock()
+        await self.events.record_events(
             [Event(ts=now, type=EventType.POLICY, data={"phase": "loaded", "rules": sorted(policies.names)})]
         )
         return policies
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def tick(self, force: bool = False) -> tuple[list[Decision], list[Transition]]:
-        now = self.cp.clock()
+        now = self.clock()
         if not force and now - self._last_tick < self.interval_s:
             return [], []
         self._last_tick = now
         # Per-worker history only when a rule reads it: thousands of workers x hours of samples is real memory.
         per_worker = any(r.level == "worker" for r in self.engine.policies.rules)
-        self.series.add(now, samples(self.cp, workers=per_worker))
+        self.series.add(now, samples(self.gauges, workers=per_worker))
         if not self.engine.policies.rules:
             return [], []
         decisions, transitions = self.engine.evaluate(now, self._scopes(), self.series, self._knob, self._suppressed)
@@ -163,24 +165,24 @@ class PolicyRunner:
         return decisions, transitions
 
     def _scopes(self) -> list[Scope]:
-        out = [Scope(p) for p in sorted(self.cp.state.pools)]
+        out = [Scope(p) for p in sorted(self.state.pools)]
         out += [
             Scope(w.pool, w.id, w.info.role.value)
-            for w in sorted(self.cp.state.workers.values(), key=lambda w: w.id)
+            for w in sorted(self.state.workers.values(), key=lambda w: w.id)
             if w.state is WorkerState.ACTIVE
         ]
         return out
 
     def _suppressed(self, pool: str) -> bool:
-        return self.cp.state.pool_recovering_until.get(pool, 0.0) > self.cp.clock()
+        return self.state.pool_recovering_until.get(pool, 0.0) > self.clock()
 
     def _knob(self, scope: Scope, knob: Knob) -> float | None:
-        pool = self.cp.state.pools.get(scope.pool)
+        pool = self.state.pools.get(scope.pool)
         if pool is None:
             return None
         if knob.level == "pool":
             return pool_knob(pool, knob.name)
-        w = self.cp.state.workers.get(scope.worker or "")
+        w = self.state.workers.get(scope.worker or "")
         if w is None:
             return None
         value = getattr(w.directive.fields, knob.name)
@@ -205,7 +207,7 @@ class PolicyRunner:
                           data=d.to_event())
                 )  # fmt: skip
         if events:
-            await self.cp.record_events(events)
+            await self.events.record_events(events)
         for d in decisions:
             if d.changes:
                 try:
@@ -213,33 +215,33 @@ class PolicyRunner:
                 except (errors.ApiError, ModelError) as exc:
                     log.warning("policy %s could not change %s of %s: %s", d.rule, d.knob, d.scope.key, exc)
                     data = {**d.to_event(), "outcome": "failed", "detail": str(exc)}
-                    ev = Event(ts=self.cp.clock(), type=EventType.POLICY_ACTION, pool=d.scope.pool,
+                    ev = Event(ts=self.clock(), type=EventType.POLICY_ACTION, pool=d.scope.pool,
                                worker_id=d.scope.worker, data=data)  # fmt: skip
-                    await self.cp.record_events([ev])
+                    await self.events.record_events([ev])
 
     async def _apply(self, d: Decision) -> None:
         assert d.new is not None
         actor = f"policy:{d.rule}"
         if d.level == "pool":
-            pool = self.cp.state.pools[d.scope.pool]
+            pool = self.state.pools[d.scope.pool]
             new_pool = with_pool_knob(pool, d.knob, d.new)
-            await self.cp.put_pool(new_pool, actor=actor)
+            await self.pools.put_pool(new_pool, actor=actor)
             if d.knob in DIRECTIVE_MIRRORS:
                 old = getattr(pool, d.knob)
-                for w in list(self.cp.state.workers.values()):
+                for w in list(self.state.workers.values()):
                     if (
                         w.pool == pool.name
                         and w.state is WorkerState.ACTIVE
                         and getattr(w.directive.fields, d.knob) == old
                     ):
-                        await self.cp.set_directive(w, {d.knob: getattr(new_pool, d.knob)}, actor)
+                        await self.directives.set_directive(w, {d.knob: getattr(new_pool, d.knob)}, actor)
             return
-        target = self.cp.state.workers.get(d.scope.worker or "")
+        target = self.state.workers.get(d.scope.worker or "")
         if target is None:
             return
         value: Any = int(d.new) if d.knob in ("compression_bits", "grad_accum_steps", "sync_priority",
                                               "snapshot_compression_level") else float(d.new)  # fmt: skip
-        await self.cp.set_directive(target, {d.knob: value}, actor)
+        await self.directives.set_directive(target, {d.knob: value}, actor)
 
     def status(self) -> dict[str, Any]:
         ps = self.engine.policies

@@ -21,15 +21,16 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from dsec.decide import degrade, occupancy, slow_workers
 from dsec.model import Device, DeviceHealth, Event, EventType, Pool, WorkerState
-from dsec.scheduler.device_health import SLOW_FEATURES, DeviceHealthConfig, DeviceHealthTracker, Occupancy
+from dsec.scheduler.device_health import DeviceHealthConfig, DeviceHealthTracker
 from dsec.scheduler.inventory import Inventory, from_cluster
 from dsec.scheduler.placement import JobSpec, Placement, place
 from dsec.scheduler.profiles import Profiles, RunRecord, classify_load
 
 if TYPE_CHECKING:
-    from dsec.control.service import ControlPlane
-    from dsec.control.state import LiveWorker
+    from dsec.control.ports import Clock, DeviceWriter, DirectiveWriter, EventLog, FleetView
+    from dsec.control.state import HotState, LiveWorker
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +46,31 @@ def device_of_pool(device: Device | None, pool: Pool, pools: Mapping[str, Pool])
 
 
 class Scheduler:
-    def __init__(self, cp: ControlPlane, config: DeviceHealthConfig | None = None) -> None:
-        self.cp = cp
-        self.config = config or cp.settings.device_health or DeviceHealthConfig()
+    """Placements, device profiles and device health; acts through the ports it is given."""
+
+    def __init__(
+        self,
+        state: HotState,
+        events: EventLog,
+        directives: DirectiveWriter,
+        devices: DeviceWriter,
+        fleet: FleetView,
+        clock: Clock,
+        config: DeviceHealthConfig | None = None,
+    ) -> None:
+        self.state = state
+        self.events = events
+        self.directives = directives
+        self.devices = devices
+        self.fleet = fleet
+        self.clock = clock
+        self.config = config or DeviceHealthConfig()
         self.placements: dict[str, Placement] = {}
         self.profiles = Profiles()
         self.health = DeviceHealthTracker(self.config)
 
     def load(self) -> None:
-        for ev in self.cp._iter_events(EventType.DEVICE):
+        for ev in self.events.iter_events(EventType.DEVICE):
             if ev.data.get("kind") == "run" and isinstance(ev.data.get("record"), dict):
                 try:
                     self.profiles.observe(RunRecord.from_dict(ev.data["record"]))
@@ -62,10 +79,10 @@ class Scheduler:
 
     # -- placement ------------------------------------------------------------------------------------------
     def inventory(self) -> Inventory:
-        return from_cluster(self.cp.state.devices.values())
+        return from_cluster(self.state.devices.values())
 
     async def place(self, job: JobSpec) -> Placement:
-        pool = self.cp.state.pools.get(job.pool) if job.pool else None
+        pool = self.state.pools.get(job.pool) if job.pool else None
         allowed = set(pool.devices) if pool is not None and pool.devices else None
         busy = {a.device for name, p in self.placements.items() if name != job.name for a in p.assignments}
         placement = place(
@@ -84,7 +101,7 @@ class Scheduler:
             "devices": {a.worker: a.device for a in placement.assignments},
             "unplaced": dict(placement.unplaced),
         }
-        await self.cp.record_events([Event(ts=self.cp.clock(), type=EventType.PLACEMENT, pool=job.pool, data=summary)])
+        await self.events.record_events([Event(ts=self.clock(), type=EventType.PLACEMENT, pool=job.pool, data=summary)])
         return placement
 
     def release(self, job: str) -> bool:
@@ -93,7 +110,7 @@ class Scheduler:
     # -- history ------------------------------------------------------------------------------------------------
     def run_record(self, w: LiveWorker, failed: bool) -> Event | None:
         """A ``device`` event describing how a worker's run on its device went (None without a known device)."""
-        device = self.cp.state.devices.get(w.info.device or "")
+        device = self.state.devices.get(w.info.device or "")
         if device is None:
             return None
         m = w.metrics
@@ -109,56 +126,51 @@ class Scheduler:
             throttled=False,
             leak_gb_per_h=max(0.0, m.get("memory_growth_gb_per_h", 0.0)),
             sync_jitter_ms=max(0.0, m.get("sync_latency_ms_p99", 0.0) - m.get("sync_latency_ms_p50", 0.0)),
-            hours=max(0.0, (self.cp.clock() - w.registered_at) / 3600.0),
+            hours=max(0.0, (self.clock() - w.registered_at) / 3600.0),
         )
         self.profiles.observe(record)
         return Event(
-            ts=self.cp.clock(), type=EventType.DEVICE, pool=w.pool, worker_id=w.id,
+            ts=self.clock(), type=EventType.DEVICE, pool=w.pool, worker_id=w.id,
             data={"kind": "run", "device": device.id, "record": record.to_dict()},
         )  # fmt: skip
 
     # -- device health ------------------------------------------------------------------------------------------
     async def tick(self, now: float) -> None:
         by_device: dict[str, list[LiveWorker]] = {}
-        st = self.cp.state
+        st = self.state
         for w in list(st.workers.values()):
             device = st.devices.get(w.info.device or "")
             pool = st.pools.get(w.pool)
             # A worker counts for a device only while the device is its pool's (devices move between pools).
             if w.state is WorkerState.ACTIVE and device and pool and device_of_pool(device, pool, st.pools):
                 by_device.setdefault(device.id, []).append(w)
-        devices = dict(self.cp.state.devices)
-        occupancy = {}
-        for d, ws in by_device.items():
-            judged = [w for w in ws if w.id in self.cp.judge.judged]
-            occupancy[d] = Occupancy(len(ws), len(judged), sum(1 for w in judged if self._slow(w)))
-        for change in self.health.step(now, {d: dev.health for d, dev in devices.items()}, occupancy):
+        devices = dict(self.state.devices)
+        placed = [(d, w.id) for d, ws in by_device.items() for w in ws]
+        occupied = occupancy(placed, self.fleet.judged, slow_workers(self.fleet.flags))
+        for change in self.health.step(now, {d: dev.health for d, dev in devices.items()}, occupied):
             dev = devices[change.device]
             if change.degraded:
                 await self._degrade(dev, by_device.get(dev.id, []), now, change.why)
             else:
                 await self._set_health(dev, change.after, now, change.why)
 
-    def _slow(self, w: LiveWorker) -> bool:
-        flags = self.cp.judge.flags.get(w.id, set())
-        return any(f in SLOW_FEATURES for f in flags)
-
     async def _degrade(self, dev: Device, ws: list[LiveWorker], now: float, why: str) -> None:
-        flags = {w.id: sorted(self.cp.judge.flags.get(w.id, set())) for w in ws}
+        flags = {w.id: sorted(self.fleet.flags.get(w.id, set())) for w in ws}
         await self._set_health(dev, DeviceHealth.DEGRADED, now, why, flags=flags)
+        verdict = degrade(dev.id, now, self.config)
         if dev.pool:
-            self.cp.state.pool_recovering_until[dev.pool] = now + self.config.recovery_hold_s
+            self.state.pool_recovering_until[dev.pool] = verdict.hold_until
         for w in ws:
             try:
-                await self.cp.set_directive(w, {"snapshot_now": f"degraded-{dev.id}-{int(now)}"}, "scheduler")
+                await self.directives.set_directive(w, {"snapshot_now": verdict.snapshot_request}, "scheduler")
             except Exception as exc:  # a worker leaving meanwhile must not stop the others' snapshots
                 log.warning("could not ask %s for a snapshot: %s", w.id, exc)
 
     async def _set_health(self, dev: Device, health: DeviceHealth, now: float, why: str, **extra: Any) -> None:
         before = dev.health
         new = replace(dev, health=health)
-        await self.cp.put_device(new)
+        await self.devices.put_device(new)
         self.health.entered(dev.id, now)
         data = {"kind": "health", "device": dev.id, "from": before.value, "to": health.value, "why": why, **extra}
-        await self.cp.record_events([Event(ts=now, type=EventType.DEVICE, pool=dev.pool, data=data)])
+        await self.events.record_events([Event(ts=now, type=EventType.DEVICE, pool=dev.pool, data=data)])
         log.info("device %s: %s -> %s (%s)", dev.id, before.value, health.value, why)

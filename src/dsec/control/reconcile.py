@@ -1,0 +1,132 @@
+"""The control loop's periodic pass: lost workers, periodic judgments, device health, policies, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import replace
+
+from dsec.control import errors, retention
+from dsec.control.beats import Beats
+from dsec.control.directives import Directives
+from dsec.control.eventlog import DurableLog
+from dsec.control.judge import Judge
+from dsec.control.liveness import Beat, overdue
+from dsec.control.policies import PolicyRunner
+from dsec.control.ports import Clock
+from dsec.control.scheduling import Scheduler
+from dsec.control.settings import Settings
+from dsec.control.state import HotState
+from dsec.control.store import Store, WriteBatch
+from dsec.model import Event, EventType, WorkerState
+
+logger = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        state: HotState,
+        settings: Settings,
+        store: Store,
+        log: DurableLog,
+        directives: Directives,
+        judge: Judge,
+        beats: Beats,
+        scheduler: Scheduler,
+        policies: PolicyRunner,
+        clock: Clock,
+    ) -> None:
+        self.state = state
+        self.settings = settings
+        self.store = store
+        self.log = log
+        self.directives = directives
+        self.judge = judge
+        self.beats = beats
+        self.scheduler = scheduler
+        self.policies = policies
+        self.clock = clock
+        self._last_retention = -math.inf
+
+    async def reconcile(self) -> list[str]:
+        """One pass of the control loop: mark overdue workers lost (durably, with an event), then the
+        periodic judgments (fleet comparison, elastic quotas, precision restores), then the policies (on their
+        own interval)."""
+        lost = await self._mark_lost()
+        await self._judge_periodic()
+        await self.scheduler.tick(self.clock())
+        await self.policies.tick()
+        await self.retain()
+        return lost
+
+    async def retain(self, force: bool = False) -> tuple[list[str], int]:
+        """Forget workers that deregistered ``worker_retention_s`` ago and prune events older than
+        ``event_retention_s`` (control/retention.py); at most every ``retention_interval_s``. Returns the evicted
+        worker ids and how many events were pruned."""
+        now = self.clock()
+        if not force and now - self._last_retention < self.settings.retention_interval_s:
+            return [], 0
+        self._last_retention = now
+        gone = retention.evictable(self.state.workers.values(), now, self.settings.worker_retention_s)
+        if gone:
+            await self.log.commit(WriteBatch(deleted_workers=gone))
+            for wid in gone:
+                w = self.state.workers.pop(wid)
+                self.state.worker_token_hashes.pop(w.token_hash, None)
+                self.state.restore_reports.get(w.pool, {}).pop(wid, None)
+                self.state.worker_meltdowns.pop(wid, None)
+                self.beats.event_budget.forget(wid)
+                self.judge.forget(wid)
+        pruned = 0
+        cutoff = retention.event_cutoff(now, self.settings.event_retention_s)
+        if cutoff is not None:
+            pruned = await asyncio.to_thread(self.store.prune_events, cutoff, retention.KEPT_TYPES)
+        if gone or pruned:
+            logger.info("retention: forgot %d deregistered worker(s), pruned %d event(s)", len(gone), pruned)
+        return gone, pruned
+
+    async def _judge_periodic(self) -> None:
+        now = self.clock()
+        changes, events = self.judge.periodic(now)
+        if events:
+            await self.log.record_events(events)
+        for c in changes:
+            w = self.state.workers.get(c.worker_id)
+            if w is None or w.state is WorkerState.DEREGISTERED:
+                continue
+            try:
+                await self.directives.set_directive(w, c.patch, c.actor, c.events)
+            except errors.ApiError as exc:
+                logger.warning("%s could not change %s's directive: %s", c.actor, c.worker_id, exc)
+
+    async def _mark_lost(self) -> list[str]:
+        now = self.clock()
+        beats = [Beat(w.id, w.state, w.last_beat_at, w.info.heartbeat_interval_s) for w in self.state.workers.values()]
+        lost = overdue(beats, now, self.settings.lost_after_beats)
+        if not lost:
+            return []
+        events, rows = [], []
+        for wid in lost:
+            w = self.state.workers[wid]
+            events.append(
+                Event(
+                    ts=now,
+                    type=EventType.LOST,
+                    worker_id=wid,
+                    pool=w.pool,
+                    data={"silent_s": round(now - w.last_beat_at, 3), "missed_beats": self.settings.lost_after_beats},
+                )
+            )
+            rows.append(replace(w.row(), state=WorkerState.LOST.value))
+            run = self.scheduler.run_record(w, True)
+            if run is not None:
+                events.append(run)
+        await self.log.commit(WriteBatch(workers=rows, events=events))
+        for wid in lost:
+            w = self.state.workers[wid]
+            if w.last_beat_at <= now:  # it did not come back while we were committing
+                w.state = WorkerState.LOST
+        logger.info("workers lost: %s", ", ".join(lost))
+        return lost
