@@ -4,7 +4,7 @@ Workers send a flat ``{name: number}`` map per heartbeat; the control plane read
 computes ``dsec_*`` gauges of its own, which policies and Prometheus read. Each name is declared here with
 its type, unit, meaning and the producers that write it, so both sides import one list and a contract test
 (tests/unit/test_telemetry_contract.py) fails when a reader reads a name no producer writes, or a producer
-writes a name that is not declared. docs/telemetry.md is generated from this module (``markdown_table``).
+writes a name that is not declared. docs/telemetry.md carries ``markdown_table()`` (regenerate: see that file).
 
 Producers: ``probe`` (the in-process probe, dsec.probe), ``native`` (the C library, native/dsec_inject.c),
 ``hermes`` (the Hermes harness plugin, dsec.integrations.hermes) and ``server`` (gauges the control plane
@@ -299,6 +299,3 @@ def markdown_table(metrics: Iterable[Metric] = METRICS) -> str:
         rows.append(f"| `{m.name}` | {m.kind.value} | {m.unit} | {where} | {meaning} |")
     return "\n".join(rows) + "\n"
 
-
-if __name__ == "__main__":  # python -m dsec.telemetry > the table in docs/telemetry.md
-    print(markdown_table(), end="")
