@@ -298,4 +298,3 @@ def markdown_table(metrics: Iterable[Metric] = METRICS) -> str:
         meaning = m.meaning + (f" ({'; '.join(extra)})" if extra else "")
         rows.append(f"| `{m.name}` | {m.kind.value} | {m.unit} | {where} | {meaning} |")
     return "\n".join(rows) + "\n"
-
