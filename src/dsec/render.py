@@ -8,26 +8,28 @@ from typing import Any
 
 from rich.table import Table
 
+from dsec import telemetry
+
 _STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
 
 # Metrics shown in the status table when a worker reports them (first found wins per column).
-_METRIC_COLUMNS = (
-    ("updates", ("updates_total",)),
-    ("step ms", ("step_ms_mean",)),
-    ("sync p99 ms", ("sync_latency_ms_p99",)),
-    ("sync cost ms", ("sync_cost_ms_p50",)),
-    ("bytes/sync", ("bytes_per_sync",)),
-    ("grad norm", ("grad_norm",)),
-    ("env steps/s", ("env_steps_per_s",)),
-    ("return", ("episode_return_mean",)),
-    ("mem GB", ("memory_used_gb",)),
+_METRIC_COLUMNS: tuple[tuple[str, tuple[telemetry.Metric, ...]], ...] = (
+    ("updates", (telemetry.UPDATES_TOTAL,)),
+    ("step ms", (telemetry.STEP_MS_MEAN,)),
+    ("sync p99 ms", (telemetry.SYNC_LATENCY_MS_P99,)),
+    ("sync cost ms", (telemetry.SYNC_COST_MS_P50,)),
+    ("bytes/sync", (telemetry.BYTES_PER_SYNC,)),
+    ("grad norm", (telemetry.GRAD_NORM,)),
+    ("env steps/s", (telemetry.ENV_STEPS_PER_S,)),
+    ("return", (telemetry.EPISODE_RETURN_MEAN,)),
+    ("mem GB", (telemetry.MEMORY_USED_GB,)),
 )
 
 
-def _metric(metrics: Mapping[str, float], keys: Sequence[str]) -> str:
+def _metric(metrics: Mapping[str, float], keys: Sequence[telemetry.Metric]) -> str:
     for k in keys:
-        if k in metrics:
-            v = float(metrics[k])
+        if k.name in metrics:
+            v = float(metrics[k.name])
             return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
     return "-"
 

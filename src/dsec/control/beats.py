@@ -8,7 +8,7 @@ committed in one transaction before it is answered; the answer carries the new d
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -218,11 +218,9 @@ class Beats:
             self.state.mark_dirty(w.id)
         return self._beat_answer(w, req, now, duplicate=False)
 
-    def _merged_metrics(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, float]:
+    def _merged_metrics(self, w: LiveWorker, req: HeartbeatRequest) -> Mapping[str, float]:
         """The worker's metrics with the beat's merged in; 422 when that would exceed its distinct-name budget (each
         beat is capped, but names accumulate across beats)."""
-        if not req.metrics:
-            return w.metrics
         cap = self.settings.max_metrics_per_worker
         if len(w.metrics) + len(req.metrics) > cap:
             new = len(req.metrics.keys() - w.metrics.keys())
@@ -234,7 +232,7 @@ class Beats:
                     f"names; a worker may hold at most {cap} (max_metrics_per_worker): reuse names",
                     "metrics",
                 )
-        return {**w.metrics, **req.metrics}
+        return w.merged_metrics(req.metrics, self.settings.metric_max_age_beats)  # every beat ages them
 
     def _spend_event_budget(self, w: LiveWorker, n: int) -> None:
         wait = self.event_budget.take(w.id, n)

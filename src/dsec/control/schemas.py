@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from dsec import telemetry
 from dsec.model import (
     MAX_MEMORY_GB,
     WORKER_EVENT_TYPES,
@@ -29,9 +30,9 @@ MAX_EVENT_DATA_DEPTH = 8
 MAX_RESTORE_S = 3600.0
 # Well-known worker metrics that feed pool gauges, with the range a real worker reports them in.
 GAUGE_INPUTS = {
-    "memory_used_gb": (0.0, MAX_MEMORY_GB),
-    "sync_ops_total": (0.0, 2.0**53),
-    "sync_ok_total": (0.0, 2.0**53),
+    telemetry.MEMORY_USED_GB.name: (0.0, MAX_MEMORY_GB),
+    telemetry.SYNC_OPS_TOTAL.name: (0.0, 2.0**53),
+    telemetry.SYNC_OK_TOTAL.name: (0.0, 2.0**53),
 }
 
 
@@ -168,7 +169,7 @@ class HeartbeatRequest(Strict):
         for name, (lo, hi) in GAUGE_INPUTS.items():
             if name in v and not lo <= v[name] <= hi:
                 raise ValueError(f"{name}={v[name]!r} is out of range: expected a number in [{lo:g}, {hi:g}]")
-        ok, ops = v.get("sync_ok_total"), v.get("sync_ops_total")
+        ok, ops = v.get(telemetry.SYNC_OK_TOTAL.name), v.get(telemetry.SYNC_OPS_TOTAL.name)
         if ok is not None and ops is not None and ok > ops:
             raise ValueError(f"sync_ok_total={ok:g} exceeds sync_ops_total={ops:g} (successful syncs are a subset)")
         return v

@@ -70,6 +70,9 @@ class Settings:
     # this the per-beat cap bounded nothing). With the per-token quota below it bounds what one pool token can make
     # the control plane hold (4096 x 512 names).
     max_metrics_per_worker: int = 512
+    # A metric a worker has not sent for more than this many of its beats leaves its metrics and every decision
+    # made from them (a name sent once must not steer quotas or device records forever).
+    metric_max_age_beats: int = 3
     # Workers registered with one pool token and not deregistered (lost ones count: they may come back).
     max_workers_per_token: int = 4096
     # Events one worker may send: a token bucket (per second, burst); beyond it a beat is answered 429.
@@ -112,7 +115,7 @@ class Settings:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} is invalid: expected >= 1024")
         for name in ("max_metrics_per_worker", "max_workers_per_token", "worker_events_burst", "rate_limit_burst",
-                     "restore_min_reporters", "webhook_deliveries_kept"):  # fmt: skip
+                     "restore_min_reporters", "webhook_deliveries_kept", "metric_max_age_beats"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: expected >= 1")
         for name in ("worker_events_per_s", "rate_limit_per_s", "worker_retention_s", "max_clock_skew_s",

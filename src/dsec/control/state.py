@@ -13,11 +13,54 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.control.store import WorkerRow
 from dsec.model import Device, Directive, DirectiveFields, Pool, Role, WorkerInfo, WorkerState
+
+
+class AgedMetrics(Mapping[str, float]):
+    """A worker's current metrics: each name with the beat (the worker's own beat count) it was last sent in.
+
+    Only fresh names are held, so reading it as a Mapping (what the judge, the gauges and the API do) sees
+    nothing stale: ``merged`` drops a name not sent for more than ``max_age`` beats. Without this a name a
+    worker stopped sending (a restarted probe, a gauge only reported while something is true) would steer
+    decisions forever. Immutable: the writer thread may be copying one while the next beat builds another.
+    """
+
+    __slots__ = ("_seen", "_values")
+
+    def __init__(self, values: Mapping[str, float] | None = None, seen: Mapping[str, int] | None = None) -> None:
+        self._values: dict[str, float] = dict(values or {})
+        self._seen: dict[str, int] = {k: (seen or {}).get(k, 0) for k in self._values}
+
+    def __getitem__(self, name: str) -> float:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"AgedMetrics({self._values!r})"
+
+    def last_beat(self, name: str) -> int:
+        """The beat ``name`` was last sent in (KeyError when it is not held)."""
+        return self._seen[name]
+
+    def merged(self, new: Mapping[str, float], beat: int, max_age: int) -> AgedMetrics:
+        """These metrics after beat number ``beat`` carrying ``new``: names older than ``max_age`` beats dropped."""
+        oldest = beat - max_age
+        out = AgedMetrics()
+        out._seen = {k: b for k, b in self._seen.items() if b >= oldest}
+        out._values = {k: self._values[k] for k in out._seen}
+        out._values.update(new)
+        out._seen.update(dict.fromkeys(new, beat))
+        return out
 
 
 @dataclass
@@ -31,7 +74,8 @@ class LiveWorker:
     last_seq: int
     acked_version: int
     beats: int
-    metrics: dict[str, float]
+    # Read it as a Mapping; it is an ``AgedMetrics`` once the worker beats (``merged_metrics``).
+    metrics: Mapping[str, float]
     directive: Directive
     # The id of the pool token that registered it (None: an admin token), for per-token quotas; persisted in
     # ``info``. ``ended_at``: when it deregistered (in memory; after a restart its last beat stands in).
@@ -42,6 +86,14 @@ class LiveWorker:
     @property
     def pool(self) -> str:
         return self.info.pool
+
+    def merged_metrics(self, new: Mapping[str, float], max_age: int) -> AgedMetrics:
+        """The metrics after the worker's next beat carries ``new`` (see ``AgedMetrics.merged``). Metrics loaded
+        from the store or set as a plain mapping count as sent in the latest beat."""
+        held = self.metrics
+        if not isinstance(held, AgedMetrics):
+            held = AgedMetrics(held, dict.fromkeys(held, self.beats))
+        return held.merged(new, self.beats + 1, max_age)
 
     def row(self) -> WorkerRow:
         info = info_to_dict(self.info)
@@ -87,7 +139,7 @@ class LiveWorker:
             "last_beat_at": self.last_beat_at,
             "last_seq": self.last_seq,
             "beats": self.beats,
-            "metrics": self.metrics,
+            "metrics": dict(self.metrics),
             "directive": {
                 "desired_version": self.directive.version,
                 "acked_version": self.acked_version,

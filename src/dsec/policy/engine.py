@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dsec.policy.expr import Expr
-from dsec.policy.rules import Knob, PolicySet, Rule
+from dsec.policy.rules import WORKER_METRICS, Knob, PolicySet, Rule
 from dsec.policy.series import SeriesStore
 
 
@@ -270,4 +270,4 @@ class Engine:
         return decision("applied", old, new)
 
 
-_WORKER_LABELLED = frozenset({"dsec_worker_melt_down_count", "dsec_breaker_level"})
+_WORKER_LABELLED = frozenset(WORKER_METRICS)

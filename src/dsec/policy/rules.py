@@ -32,22 +32,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dsec import telemetry
 from dsec.policy.expr import Expr, ExprError, parse, parse_duration
 from dsec.yamlconf import ConfigError, Marked, format_loc, load_marked, locate, validate
 
-# Metrics an expression may read: the pool gauges (labelled by pool) and, for worker-level rules, the worker ones.
-POOL_METRICS = (
-    "dsec_sandbox_utilization_rate",
-    "dsec_gradient_sync_success_rate",
-    "dsec_snapshot_recovery_time",
-    "dsec_melt_down_count",
-    "dsec_directives_pending",
-    "dsec_workers_active",
-    "dsec_workers_lost",
-    "dsec_pool_memory_used_gb",
-    "dsec_pool_memory_granted_gb",
-)
-WORKER_METRICS = ("dsec_worker_melt_down_count", "dsec_breaker_level")
+# Metrics an expression may read: the server's pool gauges (labelled by pool) and, for worker-level rules, its
+# worker ones — the schema's policy metrics (dsec.telemetry, docs/telemetry.md), so an unknown name is an error.
+POOL_METRICS = telemetry.policy_metrics(("pool",))
+WORKER_METRICS = telemetry.policy_metrics(("pool", "worker"))
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
+from dsec import telemetry
 from dsec.probe import importhook
 from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
 from dsec.probe.healing import Healing
+from dsec.probe.memory import MemoryTrend, memory_metrics
 from dsec.probe.replicas import ReplicaGuard
 from dsec.probe.reporter import Reporter
 from dsec.probe.snapshots import ProbeSnapshots
@@ -31,28 +32,13 @@ from dsec.probe.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 
-def _memory_metrics() -> dict[str, float]:
-    out: dict[str, float] = {}
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i in range(torch.cuda.device_count()):
-            out[f"cuda{i}_allocated_gb"] = torch.cuda.memory_allocated(i) / 2**30
-            out[f"cuda{i}_reserved_gb"] = torch.cuda.memory_reserved(i) / 2**30
-        out["memory_used_gb"] = torch.cuda.memory_reserved() / 2**30
-        return out
-    try:
-        import psutil
-
-        out["memory_used_gb"] = psutil.Process().memory_info().rss / 2**30
-    except Exception:
-        pass
-    return out
-
-
 class Probe:
     def __init__(self, config: ProbeConfig) -> None:
         self.config = config
         self.telemetry = Telemetry(on_anomaly=self._anomaly)
+        # Seams: what memory the process holds, and the window its growth is estimated over.
+        self.memory_source: Callable[[], dict[str, float]] = memory_metrics
+        self.memory_trend = MemoryTrend()
         self._reporter: Reporter | None = None
         self.actuators = Actuators(default_bits=config.default_compression_bits, ack=self._ack)
         self._lock = threading.Lock()
@@ -158,7 +144,12 @@ class Probe:
         out = self.telemetry.collect()
         out.update(self.actuators.state())
         out.update(self.replicas.metrics())
-        out.update(_memory_metrics())
+        memory = self.memory_source()
+        out.update(memory)
+        used = memory.get(telemetry.MEMORY_USED_GB.name)
+        growth = None if used is None else self.memory_trend.add(used)
+        if growth is not None:
+            out[telemetry.MEMORY_GROWTH_GB_PER_H.name] = growth
         return out
 
     # -- events -------------------------------------------------------------------------------------------
