@@ -1,0 +1,145 @@
+"""The decision core: pure functions of their inputs (no clock, no I/O), verdicts the control plane and the
+simulator both carry out."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+from dsec.breaker import Breaker, BreakerConfig
+from dsec.decide import (
+    BeatInputs,
+    PoolGauges,
+    WorkerGauges,
+    WorkerView,
+    caps_for,
+    degrade,
+    judge_beat,
+    judge_pool,
+    occupancy,
+    plan_pool_quotas,
+    policy_samples,
+    slow_workers,
+)
+from dsec.health.fleet import FleetConfig
+from dsec.health.interventions import PrecisionGuard
+from dsec.model import DirectiveFields, Event, EventType, Pool, PoolThresholds, WorkerState
+from dsec.quota import QuotaConfig
+from dsec.scheduler.device_health import DeviceHealthConfig
+
+POOL = Pool("p", thresholds=PoolThresholds(bandwidth_cap_mbps=100.0, latency_cap_ms=50.0), memory_ceiling_gb=20.0)
+
+
+def view(i: int = 0, role: str = "actor", metrics: dict[str, float] | None = None, **fields: object) -> WorkerView:
+    return WorkerView(f"w{i}", "p", role, "g", i, WorkerState.ACTIVE, DirectiveFields(**fields), metrics or {})  # type: ignore[arg-type]
+
+
+# -- caps ----------------------------------------------------------------------------------------------------------
+def test_caps_take_the_workers_overrides_then_the_pools_then_the_defaults() -> None:
+    assert caps_for(POOL.thresholds, 20.0).limits() == {"bandwidth_mbps": 100.0, "latency_ms": 50.0, "memory_gb": 20.0}
+    own = DirectiveFields(latency_cap_ms=30.0, memory_ceiling_gb=10.0)
+    assert caps_for(POOL.thresholds, 20.0, own).limits() == {
+        "bandwidth_mbps": 100.0,
+        "latency_ms": 30.0,
+        "memory_gb": 10.0,
+    }
+    d = PoolThresholds()
+    assert caps_for(None, None).limits() == {"bandwidth_mbps": d.bandwidth_cap_mbps, "latency_ms": d.latency_cap_ms}
+    assert caps_for(POOL.thresholds, 20.0, None, memory_pressure=0.5).memory_gb == 10.0
+
+
+# -- per beat ------------------------------------------------------------------------------------------------------
+def _beat(w: WorkerView, now: float, events: tuple[Event, ...] = ()) -> BeatInputs:
+    return BeatInputs(w, POOL, caps_for(POOL.thresholds, POOL.memory_ceiling_gb, w.fields), w.metrics, events, 0, now)
+
+
+def test_a_worker_over_its_latency_cap_is_degraded_with_a_meltdown_event_and_alert() -> None:
+    breaker, guard = Breaker(BreakerConfig(window_s=10.0, min_samples=3)), PrecisionGuard()
+    w = view(metrics={"sync_latency_ms_p50": 200.0})
+    verdicts = [judge_beat(_beat(w, 1000.0 + t), breaker, guard) for t in range(3)]
+    last = verdicts[-1]
+    assert [v.breaker_moved for v in verdicts] == [False, False, True]
+    assert last.breaker_issued and last.actors == ["breaker"] and last.patch["compression_bits"] == 4
+    kinds = [(e.type, e.data.get("name")) for e in last.events]
+    assert kinds == [(EventType.MELTDOWN, None), (EventType.ALERT, f"{w.agent}_meltdown_latency_ms")]
+    assert all(e.ts == 1002.0 and e.worker_id == "w0" for e in last.events)  # dated by the caller's now
+
+
+def test_the_same_inputs_give_the_same_verdict() -> None:
+    """Nothing but the arguments decides: two copies of one breaker given one beat agree exactly."""
+    b = Breaker(BreakerConfig(window_s=10.0, min_samples=1))
+    b2, g, g2 = copy.deepcopy(b), PrecisionGuard(), PrecisionGuard()
+    w = view(metrics={"sync_latency_ms_p50": 500.0, "grad_norm": 1.0})
+    v1, v2 = judge_beat(_beat(w, 5.0), b, g), judge_beat(_beat(w, 5.0), b2, g2)
+    assert (v1.patch, v1.events, v1.actors) == (v2.patch, v2.events, v2.actors) and v1.patch
+
+
+def test_anomalies_become_alerts_and_patches() -> None:
+    w = view(precision="bf16")
+    drift = Event(ts=1.0, type=EventType.ANOMALY, data={"kind": "replica_drift", "message": "rank 1 differs"})
+    nan = Event(ts=1.0, type=EventType.ANOMALY, data={"kind": "non_finite_gradient", "grad_norm": "nan"})
+    stuck = Event(ts=1.0, type=EventType.ANOMALY, data={"kind": "episode_stuck", "reason": "oom", "count": 5})
+    v = judge_beat(_beat(w, 2.0, (drift, nan, stuck)), Breaker(), PrecisionGuard())
+    names = [e.data["name"] for e in v.events]
+    assert names[0] == f"{w.agent}_replica_drift" and v.events[0].data["severity"] == "critical"
+    assert any("precision_fallback_bf16_to_fp16" in n for n in names)
+    assert v.patch["precision"] == "fp16" and "stuck_episode" in v.actors
+    assert all(e.data["source"] == "control_plane" for e in v.events)
+
+
+# -- fleet ---------------------------------------------------------------------------------------------------------
+def test_the_fleet_judgment_flags_a_straggler_and_clears_it_later() -> None:
+    ws = [view(i, metrics={"step_ms_mean": 100.0 + i}) for i in range(5)]
+    slow = [*ws[:4], view(4, metrics={"step_ms_mean": 900.0})]
+    v = judge_pool(POOL, "p", slow, {}, False, FleetConfig(), 10.0)
+    assert v.flags["w4"] == {"step_ms_mean"} and v.judged == {f"w{i}" for i in range(5)}
+    assert slow_workers(v.flags) == {"w4"}
+    assert [(e.type.value, e.data.get("name")) for e in v.events] == [
+        ("anomaly", None),
+        ("alert", f"{slow[4].agent}_straggler_step_ms_mean"),
+    ]
+    cleared = judge_pool(POOL, "p", ws, v.flags, False, FleetConfig(), 20.0)
+    assert cleared.flags["w4"] == set() and [e.data["kind"] for e in cleared.events] == ["fleet_outlier_cleared"]
+
+
+def test_a_single_learner_is_not_judged_and_a_whole_slow_pool_alerts_once() -> None:
+    ws = [view(i, metrics={"sync_latency_ms_p50": 80.0}) for i in range(3)] + [
+        view(9, role="learner", metrics={"sync_latency_ms_p50": 80.0})
+    ]
+    v = judge_pool(POOL, "p", ws, {}, False, FleetConfig(), 1.0)
+    assert "w9" not in v.judged and v.slow_pool
+    assert [e.data["name"] for e in v.events] == ["p_pool_sync_slowdown"]
+    again = judge_pool(POOL, "p", ws, {}, True, FleetConfig(), 2.0)
+    assert again.slow_pool and again.events == []
+
+
+# -- quotas, devices, gauges ---------------------------------------------------------------------------------------
+def test_quota_plans_grow_a_busy_worker_within_the_capacity() -> None:
+    pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    ws = [view(0, metrics={"memory_used_gb": 7.9}, memory_quota_gb=8.0), view(1, metrics={"memory_used_gb": 1.0})]
+    v = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0)
+    (change,) = v.changes
+    assert change.worker_id == "w0" and change.patch["memory_quota_gb"] > 8.0 and change.actor == "quota"
+    assert change.events[0].type is EventType.QUOTA and change.events[0].data["from_gb"] == 8.0
+    assert v.accounting.capacity_gb == 40.0
+
+
+def test_occupancy_counts_only_judged_workers_as_evidence() -> None:
+    occ = occupancy([("d0", "a"), ("d0", "b"), ("d1", "c")], judged={"a", "c"}, slow={"a", "b"})
+    assert (occ["d0"].workers, occ["d0"].judged, occ["d0"].slow) == (2, 1, 1)
+    assert (occ["d1"].workers, occ["d1"].judged, occ["d1"].slow) == (1, 1, 0)
+    d = degrade("d0", 100.9, DeviceHealthConfig(recovery_hold_s=60.0))
+    assert d.snapshot_request == "degraded-d0-100" and d.hold_until == pytest.approx(160.9)
+
+
+def test_policy_samples_leave_out_gauges_without_a_value() -> None:
+    g = PoolGauges(0.5, math.nan, math.nan, 2.0, {WorkerState.ACTIVE: 3}, 1, {"used": 4.0})
+    out = policy_samples({"p": g}, [WorkerGauges("p", "w0", "actor", True, 1.0, 2.0)])
+    assert out[("dsec_sandbox_utilization_rate", "p", None)] == 0.5
+    assert ("dsec_gradient_sync_success_rate", "p", None) not in out
+    assert ("dsec_snapshot_recovery_time", "p", None) not in out
+    assert out[("dsec_pool_memory_used_gb", "p", None)] == 4.0
+    assert ("dsec_pool_memory_granted_gb", "p", None) not in out
+    assert out[("dsec_breaker_level", "p", "w0")] == 2.0
