@@ -130,54 +130,18 @@ class Beats:
 
     async def _heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]:
         now = self.clock()
-        if w.state is WorkerState.DEREGISTERED:
-            raise errors.conflict(f"worker_id {w.id!r} has deregistered; register again to report", "worker_id")
-        if req.seq == w.last_seq:
+        if self._is_retry(w, req):
             # A retry of the beat we already applied (its answer was lost): apply nothing twice.
             self.duplicates += 1
             return self._beat_answer(w, req, now, duplicate=True)
-        if req.seq < w.last_seq:
-            raise errors.conflict(
-                f"seq {req.seq} is older than the last accepted seq {w.last_seq} (replayed or out of order)",
-                "seq",
-            )
-        if req.acked_directive_version > w.directive.version:
-            raise errors.ApiError(
-                422,
-                "invalid",
-                f"acked_directive_version {req.acked_directive_version} was never issued "
-                f"(latest is {w.directive.version})",
-                "acked_directive_version",
-            )
         metrics = self._merged_metrics(w, req)
         if req.events:
             self._spend_event_budget(w, len(req.events))
         was_lost = w.state is WorkerState.LOST
         newly_acked = req.acked_directive_version > w.acked_version
-        events = self._worker_events(w, req, now)
-        if was_lost:
-            events.append(
-                Event(
-                    ts=now,
-                    type=EventType.REJOINED,
-                    worker_id=w.id,
-                    pool=w.pool,
-                    data={"silent_s": round(now - w.last_beat_at, 3)},
-                )
-            )
-        if newly_acked and req.acked_directive_version == w.directive.version:
-            events.append(
-                Event(
-                    ts=now,
-                    type=EventType.DIRECTIVE_ACKED,
-                    worker_id=w.id,
-                    pool=w.pool,
-                    data={"version": req.acked_directive_version},
-                )
-            )
+        events = self._beat_events(w, req, now, was_lost, newly_acked)
         acked = max(w.acked_version, req.acked_directive_version)
-        worker_events = events[: len(req.events)]
-        verdict, saved = self.judge.on_beat(w, req.metrics, worker_events, acked, now)
+        verdict, saved = self.judge.on_beat(w, req.metrics, events[: len(req.events)], acked, now)
         directive = directive_from(w, verdict, now)
         if directive is not None:
             events.append(directive_event(w, directive, verdict.patch, "+".join(verdict.actors), now))
@@ -185,15 +149,8 @@ class Beats:
         if events:
             # Durable before acknowledged: write the beat's row, its events and any directive the
             # judgment made in one transaction.
-            row = replace(
-                w.row(),
-                last_seq=req.seq,
-                last_beat_at=now,
-                state=WorkerState.ACTIVE.value,
-                beats=w.beats + 1,
-                acked_version=acked,
-                metrics=metrics,
-            )
+            row = replace(w.row(), last_seq=req.seq, last_beat_at=now, state=WorkerState.ACTIVE.value,
+                          beats=w.beats + 1, acked_version=acked, metrics=metrics)  # fmt: skip
             try:
                 await self.log.commit(
                     WriteBatch(workers=[row], events=events, directives=[directive] if directive else [])
@@ -208,7 +165,7 @@ class Beats:
         w.last_seq = req.seq
         w.last_beat_at = now
         w.beats += 1
-        w.metrics = metrics  # swapped, not mutated: the writer thread may be copying the old dict
+        w.metrics = metrics  # swapped, not mutated: the writer thread may be copying the old one
         if newly_acked:
             w.acked_version = req.acked_directive_version
         if was_lost:
@@ -217,6 +174,40 @@ class Beats:
         if not events:
             self.state.mark_dirty(w.id)
         return self._beat_answer(w, req, now, duplicate=False)
+
+    @staticmethod
+    def _is_retry(w: LiveWorker, req: HeartbeatRequest) -> bool:
+        """True for a retry of the last applied beat; raises for a beat that must not be applied."""
+        if w.state is WorkerState.DEREGISTERED:
+            raise errors.conflict(f"worker_id {w.id!r} has deregistered; register again to report", "worker_id")
+        if req.seq == w.last_seq:
+            return True
+        if req.seq < w.last_seq:
+            raise errors.conflict(
+                f"seq {req.seq} is older than the last accepted seq {w.last_seq} (replayed or out of order)", "seq"
+            )
+        if req.acked_directive_version > w.directive.version:
+            raise errors.ApiError(
+                422,
+                "invalid",
+                f"acked_directive_version {req.acked_directive_version} was never issued "
+                f"(latest is {w.directive.version})",
+                "acked_directive_version",
+            )
+        return False
+
+    def _beat_events(
+        self, w: LiveWorker, req: HeartbeatRequest, now: float, was_lost: bool, newly_acked: bool
+    ) -> list[Event]:
+        """The worker's events as recorded, then what the beat itself says: it came back, it acked the latest."""
+        events = self._worker_events(w, req, now)
+        if was_lost:
+            data: dict[str, Any] = {"silent_s": round(now - w.last_beat_at, 3)}
+            events.append(Event(ts=now, type=EventType.REJOINED, worker_id=w.id, pool=w.pool, data=data))
+        if newly_acked and req.acked_directive_version == w.directive.version:
+            data = {"version": req.acked_directive_version}
+            events.append(Event(ts=now, type=EventType.DIRECTIVE_ACKED, worker_id=w.id, pool=w.pool, data=data))
+        return events
 
     def _merged_metrics(self, w: LiveWorker, req: HeartbeatRequest) -> Mapping[str, float]:
         """The worker's metrics with the beat's merged in; 422 when that would exceed its distinct-name budget (each
