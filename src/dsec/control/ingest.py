@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from starlette.types import ASGIApp, Receive, Scope, Send
 
     from dsec.control.metrics import ControlPlaneMetrics
-    from dsec.control.service import ControlPlane
+    from dsec.control.ports import HeartbeatEndpoint
 
 PREFIX = "/v1/workers/"
 SUFFIX = "/heartbeat"
@@ -35,7 +35,7 @@ _WORKER_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 
 
 async def handle_heartbeat(
-    cp: ControlPlane, metrics: ControlPlaneMetrics, worker_id: str, authorization: str | None, body: bytes
+    cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, worker_id: str, authorization: str | None, body: bytes
 ) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) for one heartbeat request; never raises for bad input.
 
@@ -73,7 +73,7 @@ def match(path: str) -> str | None:
 class HeartbeatShortcut:
     """Answers heartbeats without FastAPI; everything else passes through to ``app``."""
 
-    def __init__(self, app: ASGIApp, cp: ControlPlane, metrics: ControlPlaneMetrics, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, max_body_bytes: int) -> None:
         self.app = app
         self.cp = cp
         self.metrics = metrics

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dsec.model import Device, Directive, Event, EventType, Pool
 
 if TYPE_CHECKING:
+    from dsec.control.schemas import HeartbeatRequest
     from dsec.control.state import LiveWorker
     from dsec.decide import PoolGauges, WorkerGauges
 
@@ -54,3 +55,11 @@ class GaugeSource(Protocol):
     def pool_gauges(self) -> dict[str, PoolGauges]: ...
 
     def worker_gauges(self) -> list[WorkerGauges]: ...
+
+
+class HeartbeatEndpoint(Protocol):
+    """What the heartbeat hot path (``ingest.handle_heartbeat``) calls."""
+
+    def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker: ...
+
+    async def heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]: ...

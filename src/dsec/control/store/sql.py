@@ -13,7 +13,7 @@ from sqlalchemy import Connection, Engine, Table, create_engine, delete, event, 
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from dsec.control.store import tables as t
+import dsec.control.store.tables as t
 from dsec.control.store.api import (
     EventQuery,
     RuntimeRow,
