@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from dsec.errors import InvalidInput
 
-class ModelError(ValueError):
+
+class ModelError(InvalidInput, ValueError):
     """A domain value is out of range; the message names the field and the accepted values."""
 
 

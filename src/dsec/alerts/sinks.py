@@ -33,6 +33,7 @@ from dsec.alerts.signing import (
     Secret,
     sign_all,
 )
+from dsec.errors import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class RecordingSink:
         return f"RecordingSink({len(self)} notifications)"
 
 
-class WebhookError(RuntimeError):
+class WebhookError(TransportError, RuntimeError):
     """A webhook delivery failed for good; the message says after how many attempts and why."""
 
 

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsec.client import ApiError, Client, Unreachable
+from dsec.errors import HealingError
 from dsec.heal.membership import Plan
 
 
-class HealUnavailable(Exception):
+class HealUnavailable(HealingError):
     """The control plane did not answer for ``give_up_s``."""
 
 
-class FencedOut(Exception):
+class FencedOut(HealingError):
     """The control plane refused this process: another incarnation holds its rank, or it was declared dead."""
 
 
