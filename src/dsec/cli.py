@@ -198,7 +198,9 @@ def _parse_assignment(text: str) -> tuple[str, Any]:
 def directive_set(
     worker_id: str, assignments: list[str], endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = None
 ) -> None:
-    """Set directive fields, e.g. `dsec directive set w-123 compression_bits=8 grad_accum_steps=4`."""
+    """Set directive fields, e.g. `dsec directive set w-123 compression_bits=8 grad_accum_steps=4`.
+
+    `compression_bits=null` returns to the probe's configured default; `compression_bits=32` is uncompressed."""
     fields = dict(_parse_assignment(a) for a in assignments)
     try:
         with admin_client(endpoint, admin_token) as c:

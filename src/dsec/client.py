@@ -2,9 +2,11 @@
 
 Exceptions::
 
-    ClientError
+    ClientError         (dsec.errors.TransportError) also: an answer that cannot be read, a malformed endpoint
      ├── ApiError       the server answered 4xx/5xx (status, code, message, field)
      └── Unreachable    no answer: connection refused, reset, timed out
+
+No httpx exception escapes: each is translated here, with the httpx one as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 import httpx
 
+from dsec.errors import TransportError
 
-class ClientError(Exception):
+
+class ClientError(TransportError):
     """Base of all client errors."""
 
 
@@ -49,7 +53,10 @@ class Client:
         in ``SSL_CERT_FILE`` — which is how a probe started by ``dsec run`` trusts a private CA."""
         self.endpoint = endpoint.rstrip("/")
         self.token = token
-        self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport, verify=verify)
+        try:
+            self._http = httpx.Client(base_url=self.endpoint, timeout=timeout, transport=transport, verify=verify)
+        except httpx.InvalidURL as exc:
+            raise ClientError(f"endpoint {endpoint!r} is not a URL: {exc}; expected e.g. http://host:8000") from exc
 
     def close(self) -> None:
         self._http.close()
@@ -75,6 +82,10 @@ class Client:
             resp = self._http.request(method, path, json=json, params=params, headers=headers)
         except httpx.TransportError as exc:
             raise Unreachable(f"{method} {self.endpoint}{path}: {exc or type(exc).__name__}") from exc
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            # An answer that cannot be decoded, or a path that makes the URL invalid: retrying will not help,
+            # so this is not Unreachable.
+            raise ClientError(f"{method} {self.endpoint}{path}: {exc or type(exc).__name__}") from exc
         if resp.status_code >= 400:
             try:
                 body = resp.json()
@@ -89,7 +100,10 @@ class Client:
         if resp.status_code == 204 or not resp.content:
             return None
         if resp.headers.get("content-type", "").startswith("application/json"):
-            return resp.json()
+            try:
+                return resp.json()
+            except ValueError as exc:
+                raise ClientError(f"{method} {self.endpoint}{path}: the JSON answer does not parse: {exc}") from exc
         return resp.text
 
     # -- worker protocol -------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from dsec.errors import InvalidInput
 
-class ModelError(ValueError):
+
+class ModelError(InvalidInput, ValueError):
     """A domain value is out of range; the message names the field and the accepted values."""
 
 
@@ -237,7 +239,9 @@ class Device:
 class DirectiveFields:
     """What the control plane wants a worker to do. Every field is applied by the probe at a safe point."""
 
-    compression_bits: int = 32
+    # Gradient compression: None is the probe's configured default (DSEC_COMPRESSION_BITS, often 8);
+    # 32 is uncompressed float32 whatever that default is; 16, 8, 4 are those levels.
+    compression_bits: int | None = None
     grad_accum_steps: int = 1
     async_sampling: bool = True
     memory_quota_gb: float | None = None
@@ -257,7 +261,6 @@ class DirectiveFields:
             ("grad_accum_steps", int),
             ("sync_priority", int),
             ("async_sampling", bool),
-            ("compression_bits", int),
             ("precision", str),
         ):
             value = getattr(self, name)
@@ -265,10 +268,11 @@ class DirectiveFields:
             ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
             _check(ok, name, value, f"a {kind.__name__}")
         _check(
-            self.compression_bits in COMPRESSION_BITS,
+            self.compression_bits is None
+            or (type(self.compression_bits) is int and self.compression_bits in COMPRESSION_BITS),
             "compression_bits",
             self.compression_bits,
-            f"one of {list(COMPRESSION_BITS)}",
+            f"one of {list(COMPRESSION_BITS)}, or null for the probe's default",
         )
         _check(1 <= self.grad_accum_steps <= 1024, "grad_accum_steps", self.grad_accum_steps, "1..1024")
         _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {list(PRECISIONS)}")

@@ -110,7 +110,8 @@ def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None
         d = w["directive"]
         sync = "[green]" if d["in_sync"] else "[yellow]"
         desired = d["desired"]
-        degradation = f"{desired['compression_bits']}b/x{desired['grad_accum_steps']}"
+        bits = desired.get("compression_bits")
+        degradation = f"{'default' if bits is None else f'{bits}b'}/x{desired['grad_accum_steps']}"
         if not desired.get("async_sampling", True):
             degradation += "/paused"
         b = w.get("breaker") or {}

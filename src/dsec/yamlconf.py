@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from dsec.errors import InvalidInput
+
 M = TypeVar("M", bound=BaseModel)
 Loc = tuple[str | int, ...]
 MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -21,7 +23,7 @@ MIN_NODES = 10_000  # a budget floor, so that small documents may use merge keys
 MAX_DEPTH = 64
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidInput, ValueError):
     """A config file is unreadable or invalid. ``str()`` is ``file:line:col: field: message`` per problem."""
 
     def __init__(self, problems: Sequence[str]) -> None:

@@ -680,7 +680,6 @@ def test_unknown_event_type_is_422(api: Api, worker: Worker) -> None:
         pytest.param({"async_sampling": "maybe"}, "async_sampling", id="async-str"),
         pytest.param({"memory_quota_gb": 10, "memory_ceiling_gb": 5}, "memory_ceiling_gb", id="ceiling<quota"),
         pytest.param({"memory_ceiling_gb": 1}, "memory_ceiling_gb", id="ceiling<current-quota"),
-        pytest.param({"compression_bits": None}, "compression_bits", id="bits-null"),
         pytest.param({"precision": None}, "precision", id="precision-null"),
         pytest.param({"latency_cap_ms": 0}, "latency_cap_ms", id="latency-cap-zero"),
         pytest.param({"latency_cap_ms": "fast"}, "latency_cap_ms", id="latency-cap-str"),
@@ -696,6 +695,14 @@ def test_invalid_directive_patch_is_422(api: Api, worker: Worker, patch: dict[st
     rejected(api.patch(worker, patch), 422, field)
     assert api.worker_view(worker)["directive"] == before
     assert not [e for e in api.events_of(worker) if e["type"] == "directive_set"]
+
+
+def test_compression_bits_null_returns_to_the_probe_default_and_32_is_kept(api: Api, worker: Worker) -> None:
+    # null is not "keep": it is the probe's configured default, distinct from 32 (uncompressed)
+    for bits in (32, None, 8, None):
+        resp = api.patch(worker, {"compression_bits": bits})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["desired"]["compression_bits"] == bits
 
 
 def test_directive_patch_for_a_deregistered_worker_is_409(api: Api, worker: Worker) -> None:

@@ -99,7 +99,7 @@ def test_injected_sync_latency_degrades_only_the_slow_rank_and_it_recovers(
 
     wait_for(recovered, timeout=60, what="rank 1 recovered to level 0")
     final = _ranks(cp)[1]["directive"]["desired"]
-    assert (final["compression_bits"], final["grad_accum_steps"], final["async_sampling"]) == (32, 1, True)
+    assert (final["compression_bits"], final["grad_accum_steps"], final["async_sampling"]) == (None, 1, True)
     assert _events(cp, slow, "recovered")
     steps_down = [e["data"]["level_to"] for e in _events(cp, slow, "breaker") if e["data"]["action"] == "step_down"]
     assert steps_down and steps_down == sorted(steps_down, reverse=True), steps_down

@@ -146,6 +146,9 @@ def test_device_round_trips_through_dict() -> None:
     [
         ({"compression_bits": 3}, "compression_bits"),
         ({"compression_bits": 0}, "compression_bits"),
+        ({"compression_bits": True}, "compression_bits"),
+        ({"compression_bits": "8"}, "compression_bits"),
+        ({"compression_bits": 8.0}, "compression_bits"),
         ({"grad_accum_steps": 0}, "grad_accum_steps"),
         ({"grad_accum_steps": 1025}, "grad_accum_steps"),
         ({"precision": "fp8"}, "precision"),
@@ -176,10 +179,17 @@ def test_directive_messages_list_what_is_accepted() -> None:
         DirectiveFields(precision="fp8")
 
 
+def test_compression_bits_null_is_the_default_and_32_stays_32_through_dicts() -> None:
+    for bits in (None, 32, 8):
+        d = DirectiveFields(compression_bits=bits)
+        assert DirectiveFields.from_dict(d.to_dict()).compression_bits == bits
+    assert DirectiveFields(compression_bits=8).merged({"compression_bits": None}).compression_bits is None
+
+
 def test_directive_defaults_and_optional_fields() -> None:
     d = DirectiveFields()
     assert (d.compression_bits, d.grad_accum_steps, d.async_sampling, d.precision, d.sync_priority) == (
-        32,
+        None,  # the probe's configured default
         1,
         True,
         "fp32",

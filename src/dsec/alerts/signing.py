@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from typing import TypeAlias
 
+from dsec.errors import InvalidInput
+
 TIMESTAMP_HEADER = "X-DSec-Timestamp"
 SIGNATURE_HEADER = "X-DSec-Signature"
 #: A uuid4 hex per notification, the same on every retry, so receivers can drop duplicates.
@@ -29,7 +31,7 @@ _MAX_TIMESTAMP_CHARS = 20
 Secret: TypeAlias = bytes | str
 
 
-class SignatureError(ValueError):
+class SignatureError(InvalidInput, ValueError):
     """A webhook request failed verification; the message says which check failed and why."""
 
 

@@ -1,8 +1,8 @@
 """Where notifications go: the log, signed webhooks, and an in-memory record.
 
 ``WebhookSink`` retries what may succeed later (connection errors, timeouts, 5xx, 429) with
-exponential backoff and full jitter — many control planes retrying in lockstep would hammer a
-recovering receiver — and fails at once on other 4xx, which mean the request itself is wrong (bad
+exponential backoff and jitter (``dsec.backoff``: many control planes retrying in lockstep would hammer a
+recovering receiver) and fails at once on other 4xx, which mean the request itself is wrong (bad
 secret, wrong URL). Every request is signed (``dsec.alerts.signing``); the delivery id stays the same
 across retries so a receiver can drop the duplicate when an answer got lost after it acted.
 """
@@ -33,6 +33,8 @@ from dsec.alerts.signing import (
     Secret,
     sign_all,
 )
+from dsec.backoff import Backoff
+from dsec.errors import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class RecordingSink:
         return f"RecordingSink({len(self)} notifications)"
 
 
-class WebhookError(RuntimeError):
+class WebhookError(TransportError, RuntimeError):
     """A webhook delivery failed for good; the message says after how many attempts and why."""
 
 
@@ -143,6 +145,7 @@ class WebhookSink:
         self.retries = retries
         self.backoff_s = _number("backoff_s", backoff_s, 0, strict=False)
         self.max_backoff_s = _number("max_backoff_s", max_backoff_s, 0, strict=False)
+        self._backoff = Backoff(initial_s=self.backoff_s, factor=2.0, max_s=self.max_backoff_s)
         self._where = _redact(parsed)
         self._rng = rng or random.Random()
         self._closed = threading.Event()
@@ -194,7 +197,7 @@ class WebhookSink:
                 retry_after = _retry_after(response)
             if attempt == self.retries:
                 break
-            delay = self._rng.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
+            delay = self._backoff.delay(attempt, self._rng)
             if retry_after is not None:
                 delay = max(delay, min(retry_after, self.max_backoff_s))
             if self._closed.wait(delay):

@@ -5,8 +5,8 @@ Each level keeps everything the previous one did and adds one intervention, chea
 =====  ==========================================================================================
 level  directive fields
 =====  ==========================================================================================
-0      compression at the probe's configured default (``compression_bits = 32`` means "default",
-       typically 8-bit), no accumulation, asynchronous sampling on
+0      ``compression_bits = None``: the probe's configured default (typically 8-bit; 32 would mean
+       uncompressed), no accumulation, asynchronous sampling on
 1      ``compression_bits = 4`` — a quarter of the 8-bit upload, error feedback keeps it unbiased
 2      + ``grad_accum_steps = 4`` — synchronize every 4th backward pass
 3      + ``async_sampling = false`` — actor sampling paused; inference and heartbeats keep running
@@ -27,7 +27,7 @@ DEGRADED_BITS = 4
 ACCUM_STEPS = 4
 
 _LEVELS: tuple[dict[str, Any], ...] = (
-    {"compression_bits": 32, "grad_accum_steps": 1, "async_sampling": True},
+    {"compression_bits": None, "grad_accum_steps": 1, "async_sampling": True},
     {"compression_bits": DEGRADED_BITS, "grad_accum_steps": 1, "async_sampling": True},
     {"compression_bits": DEGRADED_BITS, "grad_accum_steps": ACCUM_STEPS, "async_sampling": True},
     {"compression_bits": DEGRADED_BITS, "grad_accum_steps": ACCUM_STEPS, "async_sampling": False},

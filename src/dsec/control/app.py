@@ -19,7 +19,7 @@ from starlette.responses import Response
 from dsec import __version__
 from dsec.control import auth, errors
 from dsec.control.auth import bearer
-from dsec.control.deps import Auth, PoolName, TokenId, WorkerId
+from dsec.control.deps import ADMIN_ONLY, Auth, PoolName, TokenId, WorkerId
 from dsec.control.deps import cp_of as _cp
 from dsec.control.errors import ApiError
 from dsec.control.healing import HealRegistry, epochs_from_store, heal_routes
@@ -91,6 +91,7 @@ def load_cluster(path: Any) -> tuple[list[Pool], list[Device]]:
 
 def worker_routes() -> APIRouter:
     r = APIRouter(prefix="/v1/workers", tags=["workers"])
+    admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
 
     @r.post("/register", status_code=201)
     async def register(body: RegisterRequest, request: Request, authorization: Auth = None) -> Response:
@@ -154,13 +155,12 @@ def worker_routes() -> APIRouter:
         cp = _cp(request)
         return JSON(cp.directive_api(cp.worker_for(worker_id, bearer(authorization), read=True)))
 
-    @r.patch("/{worker_id}/directive")
+    @admin.patch("/{worker_id}/directive")
     async def patch_directive(
         worker_id: WorkerId, body: DirectivePatch, request: Request, authorization: Auth = None
     ) -> Response:
         """Change directive fields; the version goes up by one and the worker gets it on its next beat."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         w = cp.worker_for(worker_id, bearer(authorization))
         patch = body.model_dump(exclude_unset=True)
         if not patch:
@@ -168,11 +168,13 @@ def worker_routes() -> APIRouter:
         await cp.set_directive(w, patch, actor="api")
         return JSON(cp.directive_api(w))
 
+    r.include_router(admin)
     return r
 
 
 def admin_routes() -> APIRouter:
-    r = APIRouter(prefix="/v1", tags=["admin"])
+    r = APIRouter(prefix="/v1", tags=["admin"])  # read routes (admin or read-only token)
+    admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
 
     @r.get("/pools")
     async def list_pools(request: Request, authorization: Auth = None) -> Response:
@@ -189,17 +191,15 @@ def admin_routes() -> APIRouter:
             raise errors.not_found("pool", name, "name")
         return JSON(pool.to_dict())
 
-    @r.put("/pools/{name}")
-    async def put_pool(name: PoolName, body: PoolUpdate, request: Request, authorization: Auth = None) -> Response:
+    @admin.put("/pools/{name}")
+    async def put_pool(name: PoolName, body: PoolUpdate, request: Request) -> Response:
         """Create or replace a pool."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         return JSON((await cp.put_pool(pool_from_spec(name, body))).to_dict())
 
-    @r.delete("/pools/{name}", status_code=204)
-    async def delete_pool(name: PoolName, request: Request, authorization: Auth = None) -> Response:
+    @admin.delete("/pools/{name}", status_code=204)
+    async def delete_pool(name: PoolName, request: Request) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         await cp.delete_pool(name)
         return Response(status_code=204)
 
@@ -209,12 +209,9 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON({"items": [d.to_dict() for d in sorted(cp.state.devices.values(), key=lambda d: d.id)]})
 
-    @r.put("/devices/{device_id}")
-    async def put_device(
-        device_id: PoolName, body: DeviceSpec, request: Request, authorization: Auth = None
-    ) -> Response:
+    @admin.put("/devices/{device_id}")
+    async def put_device(device_id: PoolName, body: DeviceSpec, request: Request) -> Response:
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         if body.id != device_id:
             raise ApiError(422, "invalid", f"id {body.id!r} differs from the path's {device_id!r}", "id")
         return JSON((await cp.put_device(device_from_spec(body))).to_dict())
@@ -247,29 +244,26 @@ def admin_routes() -> APIRouter:
         next_cursor = items[-1].id if len(items) == limit else None
         return JSON({"items": [e.to_dict() for e in items], "next_cursor": next_cursor})
 
-    @r.post("/tokens", status_code=201)
-    async def create_token(body: TokenCreate, request: Request, authorization: Auth = None) -> Response:
+    @admin.post("/tokens", status_code=201)
+    async def create_token(body: TokenCreate, request: Request) -> Response:
         """Create a pool (worker registration), read-only or admin token. The token is shown once; only its hash is
         kept; ``id`` names it for ``DELETE /v1/tokens/{id}``."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         token = await cp.create_token(body.kind, body.pool, body.label)
         token_id = auth.token_id(auth.hash_token(token))
         return JSON({"token": token, "id": token_id, "kind": body.kind, "pool": body.pool}, status_code=201)
 
-    @r.get("/tokens")
-    async def list_tokens(request: Request, authorization: Auth = None) -> Response:
+    @admin.get("/tokens")
+    async def list_tokens(request: Request) -> Response:
         """The tokens created through the API (never the tokens themselves): id, kind, pool, label, created_at."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         return JSON({"items": await cp.list_tokens()})
 
-    @r.delete("/tokens/{token_id}", status_code=204)
-    async def revoke_token(token_id: TokenId, request: Request, authorization: Auth = None) -> Response:
+    @admin.delete("/tokens/{token_id}", status_code=204)
+    async def revoke_token(token_id: TokenId, request: Request) -> Response:
         """Revoke a token at once (requests with it answer 403). Workers registered with a revoked pool token keep
         their own worker tokens; deregister them to stop them."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         await cp.revoke_token(token_id)
         return Response(status_code=204)
 
@@ -286,11 +280,10 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON(cp.policies.status())
 
-    @r.put("/policies")
-    async def put_policies(body: PolicyUpload, request: Request, authorization: Auth = None) -> Response:
+    @admin.put("/policies")
+    async def put_policies(body: PolicyUpload, request: Request) -> Response:
         """Validate and hot-reload a policy file; on any error nothing changes (422 with every problem)."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         try:
             await cp.policies.apply_text(body.text, body.source)
         except ConfigError as exc:
@@ -299,12 +292,11 @@ def admin_routes() -> APIRouter:
             ) from None
         return JSON(cp.policies.status())
 
-    @r.post("/placements")
-    async def create_placement(body: PlacementRequest, request: Request, authorization: Auth = None) -> Response:
+    @admin.post("/placements")
+    async def create_placement(body: PlacementRequest, request: Request) -> Response:
         """Place a job's worker groups on the inventory; answers every assignment with its score per term, the
         devices left out and why, and the workers that could not be placed."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         if body.pool is not None and body.pool not in cp.state.pools:
             raise errors.not_found("pool", body.pool, "pool")
         placement = await cp.scheduler.place(job_from_dict(body.model_dump()))
@@ -326,11 +318,10 @@ def admin_routes() -> APIRouter:
             raise errors.not_found("placement", job, "job")
         return JSON(placement.to_dict())
 
-    @r.delete("/placements/{job}", status_code=204)
-    async def delete_placement(job: PoolName, request: Request, authorization: Auth = None) -> Response:
+    @admin.delete("/placements/{job}", status_code=204)
+    async def delete_placement(job: PoolName, request: Request) -> Response:
         """Release a job's devices (the job ended)."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         if not cp.scheduler.release(job):
             raise errors.not_found("placement", job, "job")
         return Response(status_code=204)
@@ -342,11 +333,10 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON(cp.scheduler.profiles.to_dict())
 
-    @r.post("/events", status_code=201)
-    async def record_event(body: EventRecord, request: Request, authorization: Auth = None) -> Response:
+    @admin.post("/events", status_code=201)
+    async def record_event(body: EventRecord, request: Request) -> Response:
         """Record a tool's event (a launcher's recovery timeline)."""
         cp = _cp(request)
-        cp.require_admin(bearer(authorization))
         ev = Event(ts=cp.clock(), type=EventType(body.type), pool=body.pool, worker_id=body.worker_id, data=body.data)
         (event_id,) = await cp.record_events([ev])
         return JSON({"id": event_id}, status_code=201)
@@ -358,6 +348,7 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON(cp.policies.series.export())
 
+    r.include_router(admin)
     return r
 
 

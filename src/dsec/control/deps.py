@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Header, Path, Request
+from fastapi import Depends, Header, Path, Request
+from fastapi.params import Depends as DependsParam
 
+from dsec.control.auth import bearer
 from dsec.control.schemas import NAME_PATTERN
 
 if TYPE_CHECKING:
@@ -20,3 +22,12 @@ TokenId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="the id POS
 def cp_of(request: Request) -> ControlPlane:
     cp: ControlPlane = request.app.state.cp
     return cp
+
+
+async def require_admin(request: Request, authorization: Auth = None) -> None:
+    """401 without a token, 403 with any but an admin token. Async: a sync dependency would hop to a thread."""
+    cp_of(request).require_admin(bearer(authorization))
+
+
+# ``APIRouter(dependencies=ADMIN_ONLY)``: the check belongs to the router, so a route added to it cannot forget it.
+ADMIN_ONLY: list[DependsParam] = [Depends(require_admin)]

@@ -29,11 +29,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from dsec.errors import TransportError
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], list[str]]
 
 
-class EgressRefused(Exception):
+class EgressRefused(TransportError):
     """The destination is not one DSec may send to; the message says why (no request was sent)."""
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsec.errors import DsecError
 
-class ApiError(Exception):
+
+class ApiError(DsecError):
     def __init__(
         self,
         status: int,

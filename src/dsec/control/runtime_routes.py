@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from dsec.control import auth, errors
 from dsec.control.auth import bearer
-from dsec.control.deps import Auth, WorkerId, cp_of
+from dsec.control.deps import ADMIN_ONLY, Auth, WorkerId, cp_of
 from dsec.control.egress import check_callback_url
 from dsec.control.errors import ApiError
 from dsec.control.http import JSON
@@ -54,7 +54,8 @@ def _runtime(cp: ControlPlane, runtime_id: str) -> Runtime:
 
 
 def runtime_routes() -> APIRouter:
-    r = APIRouter(prefix="/v1/runtimes", tags=["runtimes"])
+    r = APIRouter(prefix="/v1/runtimes", tags=["runtimes"])  # each route checks its own mix of tokens
+    admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
 
     @r.post("", status_code=201)
     async def register_runtime(body: RuntimeRegister, request: Request, authorization: Auth = None) -> Response:
@@ -101,33 +102,29 @@ def runtime_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON({"items": [rt.to_api() for rt in sorted(cp.runtimes.runtimes.values(), key=lambda r: r.id)]})
 
-    @r.delete("/{runtime_id}", status_code=204)
-    async def delete_runtime(runtime_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
+    @admin.delete("/{runtime_id}", status_code=204)
+    async def delete_runtime(runtime_id: WorkerId, request: Request) -> Response:
         """Forget a runtime: its token stops working, its pending deliveries fail."""
         cp = cp_of(request)
-        cp.require_admin(bearer(authorization))
         if not await cp.runtimes.remove(_runtime(cp, runtime_id).id):
             raise errors.not_found("runtime", runtime_id, "runtime_id")
         return Response(status_code=204)
 
-    @r.post("/{runtime_id}/policies", status_code=202)
-    async def push_policy(
-        runtime_id: WorkerId, body: PolicyPush, request: Request, authorization: Auth = None
-    ) -> Response:
+    @admin.post("/{runtime_id}/policies", status_code=202)
+    async def push_policy(runtime_id: WorkerId, body: PolicyPush, request: Request) -> Response:
         """Push a policy to a runtime's callback: signed, retried with backoff; answers the delivery to follow."""
         cp = cp_of(request)
-        cp.require_admin(bearer(authorization))
         rt = _runtime(cp, runtime_id)
         d = cp.runtimes.push(rt.id, body.model_dump())
         return JSON(d.to_api(), status_code=202)
 
-    @r.get("/{runtime_id}/deliveries")
-    async def runtime_deliveries(runtime_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
+    @admin.get("/{runtime_id}/deliveries")
+    async def runtime_deliveries(runtime_id: WorkerId, request: Request) -> Response:
         """The delivery log: every push with its attempts (time, HTTP status or error, duration, bytes read) and
         outcome. Admin only: answers come from hosts outside the control plane."""
         cp = cp_of(request)
-        cp.require_admin(bearer(authorization))
         rt = _runtime(cp, runtime_id)
         return JSON({"items": [d.to_api() for d in cp.runtimes.deliveries_of(rt.id)]})
 
+    r.include_router(admin)
     return r

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import httpx
 
 from dsec.alerts.signing import DELIVERY_HEADER, EVENT_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
+from dsec.backoff import Backoff
 from dsec.control.egress import Egress, EgressRefused
 from dsec.control.store import RuntimeRow
 
@@ -117,14 +118,21 @@ class Delivery:
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """Retries of a policy push (``Settings.webhook_retry``). The field names are configuration: keep them."""
+
     max_attempts: int = 8
     base_s: float = 0.5
     max_s: float = 30.0
     timeout_s: float = 3.0
 
+    @property
+    def backoff(self) -> Backoff:
+        return Backoff(initial_s=self.base_s, factor=2.0, max_s=self.max_s)
+
     def delay(self, attempt: int, rng: random.Random) -> float:
-        """Before retry ``attempt`` (1 = the first retry): base x 2^(attempt-1), capped, with +-50% jitter."""
-        return float(min(self.max_s, self.base_s * 2 ** (attempt - 1)) * rng.uniform(0.5, 1.5))
+        """Before retry ``attempt`` (1 = the first retry): base x 2^(attempt-1), capped, with equal jitter
+        (dsec.backoff says why)."""
+        return self.backoff.delay(attempt - 1, rng)
 
 
 class RuntimeHub:

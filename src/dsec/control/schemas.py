@@ -177,10 +177,10 @@ class HeartbeatRequest(Strict):
 
 class DirectivePatch(Strict):
     """Fields to change; omitted fields keep their value. Null clears an optional field (memory quota and
-    ceiling, snapshot interval and request, target device, per-worker caps); the others cannot be null."""
+    ceiling, snapshot interval and request, target device, per-worker caps) and returns ``compression_bits`` to
+    the probe's configured default (32 is uncompressed); the others cannot be null."""
 
     NOT_NULL: ClassVar[tuple[str, ...]] = (
-        "compression_bits",
         "grad_accum_steps",
         "async_sampling",
         "precision",

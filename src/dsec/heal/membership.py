@@ -33,6 +33,8 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dsec.errors import HealingError
+
 UNKNOWN = "?"  # the incarnation of a member known only from another member's view (after an executor restart)
 
 
@@ -43,11 +45,11 @@ class Phase(str, enum.Enum):
     ADMITTING = "admitting"  # members are at the agreed admission point
 
 
-class Fenced(Exception):
+class Fenced(HealingError):
     """The requesting process may not take part in the group any more (it must stop)."""
 
 
-class Invalid(Exception):
+class Invalid(HealingError):
     """A request that contradicts the group's state (wrong world size, a rank out of range, ...)."""
 
 

@@ -19,6 +19,8 @@ import os
 import threading
 from pathlib import Path
 
+from dsec.errors import DsecError
+
 ENV_LIB = "DSEC_NATIVE_LIB"
 LIBRARY_NAME = "libdsec_inject.so"
 # src/dsec/integrations/native.py -> the repository root is three directories up from this one.
@@ -30,7 +32,7 @@ ERR_CONFIG = -1
 ERR_THREAD = -2
 
 
-class NativeLibraryNotFound(FileNotFoundError):
+class NativeLibraryNotFound(DsecError, FileNotFoundError):
     """``libdsec_inject.so`` is not where it was looked for."""
 
 

@@ -29,6 +29,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dsec.errors import InvalidInput
+
 RANGE_FUNCS = (
     "increase",
     "rate",
@@ -53,7 +55,7 @@ _TOKEN_RE = re.compile(
 )
 
 
-class ExprError(ValueError):
+class ExprError(InvalidInput, ValueError):
     """A bad expression; ``offset`` is the 0-based character position of the problem."""
 
     def __init__(self, message: str, offset: int) -> None:

@@ -30,7 +30,8 @@ def _default(scope: Scope, knob: Knob) -> float | None:
     if knob.name in ("latency_cap_ms", "bandwidth_cap_mbps"):
         return float(getattr(pool.thresholds, knob.name))
     if knob.level == "worker":
-        return {"compression_bits": 32.0, "grad_accum_steps": 1.0, "sync_priority": 0.0,
+        # compression_bits is absent: its default is None (the probe's level), as in the live control plane.
+        return {"grad_accum_steps": 1.0, "sync_priority": 0.0,
                 "snapshot_compression_level": float(pool.snapshot_compression_level),
                 "snapshot_interval_s": pool.snapshot_interval_s,
                 "memory_ceiling_gb": pool.memory_ceiling_gb}.get(knob.name)  # fmt: skip

@@ -64,6 +64,8 @@ KNOBS: dict[tuple[str, str], Knob] = {
         Knob("gpu_quota", "pool", int, 0, 4096),
         Knob("latency_cap_ms", "worker", float, 1.0, 1e7),
         Knob("bandwidth_cap_mbps", "worker", float, 0.001, 1e7),
+        # 32 is uncompressed. A worker at the probe's default has null here: a relative ``by`` has no value to
+        # start from (outcome "no_value"); ``to`` sets a level.
         Knob("compression_bits", "worker", int, 4, 32),
         Knob("grad_accum_steps", "worker", int, 1, 1024),
         Knob("snapshot_compression_level", "worker", int, 0, 3),

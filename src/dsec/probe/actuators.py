@@ -59,8 +59,8 @@ class Actuators:
         """Reporter's directive handler. True: in force now; False: acked later at the safe point."""
         version = int(directive.get("version", 0))
         bits = directive.get("compression_bits")
-        # 32 in a directive means "no compression requested": the configured default level applies.
-        bits = self.default_bits if bits in (None, 32) else int(bits)
+        # None: the level this probe was configured with; 32: uncompressed, even when that default is 8 or 4.
+        bits = self.default_bits if bits is None else int(bits)
         accum = int(directive.get("grad_accum_steps") or 1)
         self._set_sampling(bool(directive.get("async_sampling", True)))
         self.memory_quota_gb = directive.get("memory_quota_gb")

@@ -30,11 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsec.errors import InvalidInput
+
 KINDS = ("sync_delay_ms", "memory_growth_mb_per_s", "interrupt_episodes", "grad_spike")
 WINDOW_KEYS = ("rank", "after_s", "for_s", "every_s", "max_mb")
 
 
-class ChaosError(ValueError):
+class ChaosError(InvalidInput, ValueError):
     """DSEC_CHAOS is malformed; the message names the clause and the key."""
 
 

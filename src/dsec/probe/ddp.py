@@ -4,7 +4,8 @@ Per bucket the hook measures the bytes this rank hands to the backend and the la
 and carries out two directive fields:
 
 * ``compression_bits`` — each rank encodes its gradient at its *own* level: 32 (float32), 16 (fp16),
-  8 or 4 (block quantization with one float32 scale per 256 values, error feedback). When every rank
+  8 or 4 (block quantization with one float32 scale per 256 values, error feedback); a directive's null is the
+  probe's configured default, resolved in actuators.py before the hook sees it. When every rank
   uses 32 or every rank uses 16 the bucket goes through one ``all_reduce``; when every rank uses the
   same 8/4-bit level, through one ``all_gather`` of the packed payloads; when levels differ, through one
   ``all_to_all_single`` with uneven splits — so a degraded rank uploads less without forcing its peers

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dsec.errors import HealingError
 from dsec.heal.membership import Plan
 from dsec.heal.sequence import Sequence
 from dsec.probe.heal_client import FencedOut, HealClient, HealUnavailable
@@ -105,7 +106,7 @@ class _Pending:
     submitted: float = field(default_factory=time.monotonic)
 
 
-class Diverged(RuntimeError):
+class Diverged(HealingError, RuntimeError):
     """Members' scripts took different paths (different collectives at the same point): healing cannot continue."""
 
 

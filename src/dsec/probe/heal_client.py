@@ -14,15 +14,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dsec.backoff import Backoff
 from dsec.client import ApiError, Client, Unreachable
+from dsec.errors import HealingError
 from dsec.heal.membership import Plan
 
 
-class HealUnavailable(Exception):
+class HealUnavailable(HealingError):
     """The control plane did not answer for ``give_up_s``."""
 
 
-class FencedOut(Exception):
+class FencedOut(HealingError):
     """The control plane refused this process: another incarnation holds its rank, or it was declared dead."""
 
 
@@ -37,6 +39,11 @@ class Identity:
     device: str | None = None
 
 
+# 50 ms after the first failure, doubling to 2 s: a restarting control plane is back within seconds, and a
+# member that waits longer than it must keeps the whole group stalled.
+RETRY = Backoff(initial_s=0.05, factor=2.0, max_s=2.0)
+
+
 class HealClient:
     def __init__(self, endpoint: str, token: str | None, me: Identity, give_up_s: float = 60.0) -> None:
         self.me = me
@@ -47,6 +54,7 @@ class HealClient:
         self._clients: list[Client] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._rng = random.Random()  # retry jitter
 
     def _client(self) -> Client:
         c = getattr(self._local, "client", None)
@@ -66,7 +74,7 @@ class HealClient:
 
     def _call(self, method: str, path: str, *, json: Any = None, params: dict[str, Any] | None = None) -> Any:
         first_failure: float | None = None
-        delay = 0.05
+        failures = 0
         while True:
             try:
                 return self._client().request(method, f"/v1/heal/{self.me.run}/{path}", json=json, params=params)
@@ -82,8 +90,8 @@ class HealClient:
             first_failure = first_failure or now
             if now - first_failure > self.give_up_s or self._closed.is_set():
                 raise HealUnavailable(f"control plane {why} for {now - first_failure:.1f} s") from None
-            time.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(2.0, delay * 2)
+            time.sleep(RETRY.delay(failures, self._rng))
+            failures += 1
 
     # -- protocol --------------------------------------------------------------------------------------------
     def join(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dsec.errors import HealingError
 from dsec.probe.elastic import Epoch
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ REFUSED = (
 )
 
 
-class NotHealable(RuntimeError):
+class NotHealable(HealingError, RuntimeError):
     """A collective healing cannot carry."""
 
 

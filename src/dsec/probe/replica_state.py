@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dsec.errors import HealingError
 from dsec.jsonsafe import json_safe as _json_safe
 from dsec.probe.replicas import fingerprint
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 TAG_STATE = 7_001
 
 
-class TransferError(Exception):
+class TransferError(HealingError):
     """The received state does not match what the source sent (or could not be received)."""
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.backoff import Backoff
 from dsec.client import ApiError, Client, ClientError
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class Reporter:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._rng = random.Random()  # retry jitter
         self._observed: dict[str, _Aggregate] = {}
         self._gauges: dict[str, float] = {}
         self._counters: dict[str, float] = {}
@@ -195,22 +197,24 @@ class Reporter:
 
     # -- the background thread ------------------------------------------------------------------
     def _run(self) -> None:
-        backoff = 0.0
+        # 0.25 s after the first failure, doubling to max_backoff_s (never above it, even when it is below 0.25 s)
+        backoff = Backoff(initial_s=min(0.25, self.config.max_backoff_s), max_s=self.config.max_backoff_s)
+        failures = 0
         while not self._stop.is_set():
             try:
                 if self.worker_id is None:
                     self._register()
                 else:
                     self._beat_once()
-                backoff = 0.0
+                failures = 0
                 wait = self.config.heartbeat_interval_s
             except Exception as exc:  # ClientError or a bug: either way keep training alive
                 self.beats_failed += 1
                 if self.last_error != str(exc):
                     log.warning("dsec: control plane not reachable (%s); training continues, retrying", exc)
                 self.last_error = str(exc)
-                backoff = min(self.config.max_backoff_s, max(0.25, backoff * 2))
-                wait = backoff * random.uniform(0.5, 1.0)
+                wait = backoff.delay(failures, self._rng)
+                failures += 1
             self._wake.wait(wait)
             self._wake.clear()
 

@@ -17,7 +17,7 @@ from dsec.snapshot.manifest import CorruptSnapshot
 from dsec.snapshot.reader import Loaded, load, load_latest, verify
 from dsec.snapshot.retention import collect_garbage, compact, listing
 from dsec.snapshot.snapshotter import RestoreReport, Snapshotter, Ticket, replay_metadata
-from dsec.snapshot.store import LocalDirStore, SnapshotStore, StoreError
+from dsec.snapshot.store import LocalDirStore, ManifestExists, SnapshotStore, StoreError
 
 __all__ = [
     "DEFAULT_LEVEL",
@@ -25,6 +25,7 @@ __all__ = [
     "CorruptSnapshot",
     "Loaded",
     "LocalDirStore",
+    "ManifestExists",
     "Mode",
     "RestoreReport",
     "SnapshotStore",

@@ -28,10 +28,12 @@ import hashlib
 import json
 from typing import Any
 
+from dsec.errors import StorageError
+
 FORMAT = 1
 
 
-class CorruptSnapshot(Exception):
+class CorruptSnapshot(StorageError):
     """A snapshot that cannot be trusted: bad checksum, missing or damaged chunk, unknown format."""
 
 

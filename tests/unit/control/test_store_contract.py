@@ -322,6 +322,12 @@ class TestStoreContract:
             "w-2": directive("w-2", 1, precision="bf16"),
         }
 
+    def test_compression_bits_null_and_32_round_trip_distinct(self, store: Store) -> None:
+        # null is the probe's default, 32 uncompressed: a store that wrote one for the other would flip it
+        store.write(WriteBatch(directives=[directive("w-1", 2), directive("w-2", 2, compression_bits=32)]))
+        got = {d.worker_id: d.fields.compression_bits for d in store.list_directives()}
+        assert got == {"w-1": None, "w-2": 32}
+
     def test_last_directive_for_a_worker_in_one_batch_wins(self, store: Store) -> None:
         # The group-commit writer concatenates requests' directives; the newest is the last.
         store.write(

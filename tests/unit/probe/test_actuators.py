@@ -15,9 +15,25 @@ def test_without_gradient_exchange_everything_is_in_force_at_once() -> None:
     a = Actuators(default_bits=8)
     assert a.handle({"version": 2, "compression_bits": 4, "grad_accum_steps": 4}) is True
     assert (a.effective_bits, a.effective_accum) == (4, 4)
-    # 32 in a directive means "no compression requested": the configured default applies.
+    # 32 is uncompressed even though this probe's default is 8
     assert a.handle({"version": 3, "compression_bits": 32}) is True
+    assert a.effective_bits == 32
+    # null (or no field at all) is the configured default
+    assert a.handle({"version": 4, "compression_bits": None}) is True
     assert a.effective_bits == 8
+    assert a.handle({"version": 5}) is True
+    assert a.effective_bits == 8
+
+
+@pytest.mark.parametrize("default", [8, 4])
+def test_directive_32_is_uncompressed_whatever_the_default_and_null_is_the_default(default: int) -> None:
+    a = Actuators(default_bits=default)
+    a.collective_users = 1  # a DDP hook exchanges gradients: the change waits for the safe point
+    assert a.handle({"version": 2, "compression_bits": 32}) is False
+    assert a.declare() == (32, 1)  # what the hook sends: float32, no quantization
+    a.confirm(32, 1)
+    assert a.handle({"version": 3, "compression_bits": None}) is False
+    assert a.declare() == (default, 1)
 
 
 def test_collective_fields_wait_for_the_safe_point_and_are_acked_there() -> None:

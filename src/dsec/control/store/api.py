@@ -16,10 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dsec.errors import StorageError
 from dsec.model import Device, Directive, Event, EventType, Pool
 
 
-class StoreError(Exception):
+class StoreError(StorageError):
     """Base of all store errors."""
 
 

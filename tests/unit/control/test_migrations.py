@@ -1,0 +1,54 @@
+"""Data migrations of the control plane's store, from a database left by an older version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+
+from dsec.control.store import open_store
+from dsec.control.store.sql import _MIGRATIONS
+
+
+def _at_revision(url: str, revision: str) -> sa.Engine:
+    engine = sa.create_engine(url)
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+    return engine
+
+
+def _fields(bits: Any) -> dict[str, Any]:
+    return {"compression_bits": bits, "grad_accum_steps": 1, "async_sampling": True, "precision": "fp32"}
+
+
+def test_directive_32_written_when_it_meant_default_becomes_null(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = _at_revision(url, "0002_runtimes")
+    directives = sa.table(
+        "directives",
+        sa.column("worker_id", sa.String),
+        sa.column("version", sa.Integer),
+        sa.column("fields", sa.JSON),
+        sa.column("updated_at", sa.Float),
+    )
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(directives),
+            [
+                {"worker_id": "w-default", "version": 1, "fields": _fields(32), "updated_at": 1.0},
+                {"worker_id": "w-eight", "version": 3, "fields": _fields(8), "updated_at": 2.0},
+            ],
+        )
+    engine.dispose()
+    store = open_store(url)  # migrates to the newest revision
+    try:
+        got = {d.worker_id: d.fields.compression_bits for d in store.list_directives()}
+    finally:
+        store.close()
+    assert got == {"w-default": None, "w-eight": 8}
