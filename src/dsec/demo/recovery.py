@@ -115,6 +115,11 @@ def supervised_recovery(
             for e in run.client.all_events(types=["restore"], since=started - 1)
             if e["data"].get("status") == "ok"
         ]
+        # Train on before stopping: the run's return is the mean of its last finished episodes, and right after a
+        # restart only short (failed) episodes have finished yet — a window that ends early reads a good policy as
+        # a poor one. Another WARM_STEPS updates let the long episodes of the restored policy finish.
+        resumed = max((n for _, _, n in after.values()), default=0)
+        _wait(sup, lambda: _updates(run, pool).get(0, ("", 0, 0))[2] >= resumed + WARM_STEPS, 60)
         stop.touch()
         out["finished"] = sup.run(timeout_s=60)
     finally:
