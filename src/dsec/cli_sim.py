@@ -85,16 +85,18 @@ def simulate(
 def _table(c: Any) -> None:
     from dsec.sim.report import SUMMARY_ROWS, cell
 
-    b, d = c.summary("baseline"), c.summary("dsec")
+    b, d = c.summary(c.comparator), c.summary("dsec")
     h = c.headline()
     t = Table(title=f"{c.scenario.name}: {c.scenario.workers} workers, {c.scenario.duration_h:g} simulated hours")
     t.add_column("")
-    t.add_column("baseline", justify="right")
+    t.add_column(f"{c.comparator} baseline", justify="right")
     t.add_column("DSec", justify="right")
     for label, key, fmt in SUMMARY_ROWS:
         t.add_row(label, cell(b[key], fmt), cell(d[key], fmt))
     out.print(t)
     out.print(
-        f"goodput ratio DSec/baseline: [bold]{h['goodput_ratio']}[/]   simulation speed: {d['sim_speedup']}x real "
+        f"goodput ratio DSec/{c.comparator} baseline: [bold]{h['goodput_ratio']}[/] "
+        f"(naive: {h['goodput_ratio_naive']}); captured share of the recoverable loss: [bold]{h['captured_share']}[/]"
+        f"   simulation speed: {d['sim_speedup']}x real "
         f"time ({d['wall_s']} s wall for DSec, {b['wall_s']} s for the baseline)"
     )

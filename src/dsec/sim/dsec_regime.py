@@ -25,6 +25,7 @@ from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.scheduler import DeviceHealthConfig, DeviceHealthTracker, NodeInfo, classify_load
 from dsec.sim.dsec_devices import DeviceHealthPass
 from dsec.sim.dsec_placement import PlacementPass, _CardProfiles
+from dsec.sim.regimes import largest_first
 from dsec.sim.scenario import Scenario
 from dsec.sim.world import RUN
 
@@ -160,18 +161,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         over = run[mem[run] > cap + 1e-9]
         victims = set(int(w) for w in over)
         rest = np.array([w for w in run if int(w) not in victims], dtype=np.int64)
-        if len(rest):
-            card = sim.slot_of[rest] // sim.layout.workers_per_gpu
-            used = np.bincount(card, weights=mem[rest], minlength=sim.layout.cards)
-            for c in np.flatnonzero(used > self.sc.cluster.gpu_memory_gb):
-                # Quotas over-committed (bases alone exceed the card): the largest user fails first.
-                on = sorted(rest[card == c], key=lambda w: -mem[w])
-                total = used[c]
-                for w in on:
-                    if total <= self.sc.cluster.gpu_memory_gb:
-                        break
-                    victims.add(int(w))
-                    total -= mem[w]
+        # Quotas over-committed (bases alone exceed the card): the largest user fails first.
+        victims |= largest_first(rest, mem, sim.slot_of, sim.layout.workers_per_gpu, self.sc.cluster.gpu_memory_gb)
         if victims:
             self.counts["oom_workers"] += len(victims)
             self.fail_workers(t, "oom", sorted(victims))

@@ -12,6 +12,7 @@ Neither regime reads the hidden truth (``Simulation.truth``); both see the same 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from importlib import resources
 from pathlib import Path
@@ -135,6 +136,26 @@ class Regime:
         return dict(sorted(self.counts.items()))
 
 
+def largest_first(
+    workers: np.ndarray, mem: np.ndarray, slot_of: np.ndarray, per_card: int, capacity: float
+) -> set[int]:
+    """The workers whose allocations fail on cards over ``capacity``: a CUDA OOM raises in the process that
+    allocates, and the largest user is the likeliest to be allocating; users fail largest first until the card fits."""
+    victims: set[int] = set()
+    if not len(workers):
+        return victims
+    card = slot_of[workers] // per_card
+    used = np.bincount(card, weights=mem[workers])
+    for c in np.flatnonzero(used > capacity):
+        total = used[c]
+        for w in sorted(workers[card == c], key=lambda w: -mem[w]):
+            if total <= capacity:
+                break
+            victims.add(int(w))
+            total -= mem[w]
+    return victims
+
+
 class Baseline(Regime):
     name = "baseline"
 
@@ -172,3 +193,71 @@ def policies_from(paths: list[Path]) -> PolicySet:
 def example_policy_files() -> list[Path]:
     """The example policy files shipped with DSec (src/dsec/data/policies)."""
     return sorted(Path(str(resources.files("dsec") / "data" / "policies")).glob("*.yaml"))
+
+
+class TunedBaseline(Baseline):
+    """What a competent team runs without DSec (``scenario.baseline.tuned``): checkpoints at the Young/Daly interval
+    with asynchronous checkpointing, restarts in place unless a card is gone, drains before a planned power-off,
+    cordons cards that keep failing, and a CUDA OOM fails only the allocating process."""
+
+    name = "tuned"
+
+    def __init__(self, scenario: Scenario, checkpoint_interval_s: float) -> None:
+        t = scenario.baseline.tuned
+        Regime.__init__(self, checkpoint_interval_s, t.checkpoint_blocking_s, t.restart_in_place_s)
+        self.tuned = t
+        self.failures: Counter[int] = Counter()  # per card: workers that crashed on it
+
+    def attach(self, sim: Simulation) -> None:
+        super().attach(sim)
+        self.cordoned = np.zeros(sim.layout.cards, dtype=bool)
+
+    def first_fit(self, workers: list[int]) -> dict[int, int] | None:
+        free = self.sim.free_slots()
+        free = free[~self.cordoned[free // self.sim.layout.workers_per_gpu]]
+        if len(free) < len(workers):
+            return None
+        return {w: int(s) for w, s in zip(workers, free[: len(workers)], strict=True)}
+
+    def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
+        sim, per_card = self.sim, self.sim.layout.workers_per_gpu
+        if cause == "crash":  # a hardware/driver fault (XID); an OOM is the workload's, not the card's
+            for w in victims:
+                if sim.slot_of[w] >= 0:
+                    card = int(sim.slot_of[w] // per_card)
+                    self.failures[card] += 1
+                    if self.failures[card] >= self.tuned.cordon_after_failures and not self.cordoned[card]:
+                        self.cordoned[card] = True
+                        self.counts["cordoned_cards"] += 1
+        moved = self.to_move(g, victims, cause)
+        off = sim.card_off | self.cordoned
+        gone = any(sim.slot_of[w] < 0 or off[sim.slot_of[w] // per_card] for w in sim.workers_of(g))
+        self.restart_s = self.tuned.restart_reschedule_s if gone or moved else self.tuned.restart_in_place_s
+        return super().restart(g, t, cause, victims)
+
+    def to_move(self, g: int, victims: list[int], cause: str) -> list[int]:
+        per_card = self.sim.layout.workers_per_gpu
+        return [w for w in victims if self.sim.slot_of[w] >= 0 and self.cordoned[self.sim.slot_of[w] // per_card]]
+
+    def power_loss(self, g: int, t: float, victims: list[int]) -> None:
+        if not self.tuned.drain_before_power_off:
+            return super().power_loss(g, t, victims)
+        # SIGTERM ahead of the scheduled power-off: the group checkpoints, then stops (nothing rolled back).
+        self.counts["drains"] += 1
+        self.sim.fail(g, t, "power", victims, durable_first=True)
+
+    def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
+        if not self.tuned.per_process_oom:
+            return super().observe(t, k, mem, compute_s, latency_ms)
+        sim = self.sim
+        run = self.running_workers()
+        victims = largest_first(run, mem, sim.slot_of, sim.layout.workers_per_gpu, sim.sc.cluster.gpu_memory_gb)
+        if victims:
+            self.counts["oom_workers"] += len(victims)
+            self.fail_workers(t, "oom", sorted(victims))
+
+
+def young_daly_interval_s(blocking_s: float, mtbf_s: float) -> float:
+    """Young's optimal checkpoint interval sqrt(2 C M) for a checkpoint costing ``blocking_s`` and a mean time between
+    failures ``mtbf_s`` (Daly's higher-order terms change it by little when C << M); at least 10 s."""
+    return max(10.0, math.sqrt(2.0 * max(blocking_s, 1e-3) * mtbf_s))

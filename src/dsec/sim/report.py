@@ -11,7 +11,9 @@ from dsec.sim.sweep import findings
 
 # Targets issue 9 names, measured here, not asserted: (key in the headline, label, test on the value).
 TARGETS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
-    ("goodput_ratio", "goodput ratio DSec / baseline >= 1.3", lambda v: v is not None and v >= 1.3),
+    # issue 17: judged against the tuned baseline, as a share of what could be recovered at all
+    ("captured_share", "DSec captures >= 50% of the recoverable loss", lambda v: v is not None and v >= 0.5),
+    ("goodput_ratio", "goodput ratio DSec / tuned baseline >= 1.0", lambda v: v is not None and v >= 1.0),
     ("interruption_rate.dsec", "interruption rate under DSec <= 0.3%", lambda v: v is not None and v <= 0.003),
 )
 
@@ -48,7 +50,7 @@ def _row(label: str, b: Any, d: Any, fmt: str = "{}") -> str:
 
 def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, Any]] | None = None) -> str:
     sc = c.scenario
-    b, d = c.summary("baseline"), c.summary("dsec")
+    b, d = c.summary(c.comparator), c.summary("dsec")
     h = c.headline()
     lines = [
         f"# Simulation report: {sc.name}",
@@ -64,11 +66,17 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         "(breaker, quotas, fleet comparison, device health, placement with learned profiles, policy engine). "
         "Model parameters and their provenance: docs/simulator.md.",
         "",
+        f"The baseline column is the **{c.comparator}** baseline (scenario.baseline.tuned: Young/Daly checkpoints, "
+        "restart in place, drain before power-off, cordon, per-process OOM); the naive Kubernetes + torchrun defaults "
+        "are in the ratio below.",
+        "",
         "| | baseline | DSec |",
         "|---|---:|---:|",
         *(_row(label, b[key], d[key], fmt) for label, key, fmt in SUMMARY_ROWS),
         "",
-        f"**goodput ratio (DSec / baseline): {h['goodput_ratio']}**",
+        f"**goodput ratio (DSec / {c.comparator} baseline): {h['goodput_ratio']}** — vs the naive baseline "
+        f"{h['goodput_ratio_naive']}; DSec captured {h['captured_share']} of the recoverable loss "
+        f"(ideal {h['goodput_steps_per_s']['ideal']} useful steps/s).",
         "",
         "## GPU-hours lost per day, by cause",
         "",

@@ -88,13 +88,28 @@ class Faults(_Strict):
     power_saving: PowerSaving | None = PowerSaving()
 
 
+class TunedBaseline(_Strict):
+    """What a competent team runs without DSec (issue 17): each choice below is standard practice, not DSec's."""
+
+    # None: Young/Daly, sqrt(2 x blocking x MTBF), with the MTBF the naive baseline measured on the same trace (a team
+    # tunes its checkpoint interval from its own failure history).
+    checkpoint_interval_s: float | None = Field(None, gt=0)
+    checkpoint_blocking_s: float = Field(0.5, ge=0)  # async distributed checkpoint: only the device->host copy blocks
+    restart_in_place_s: float = Field(30.0, ge=0)  # torchrun restarts the process group on the same nodes
+    restart_reschedule_s: float = Field(90.0, ge=0)  # a worker's card is gone (off, cordoned): the pod moves
+    drain_before_power_off: bool = True  # planned power-off: SIGTERM, checkpoint, then stop (no work lost)
+    cordon_after_failures: int = Field(3, ge=1)  # a card on which this many workers crashed gets no new ones
+    per_process_oom: bool = True  # a CUDA OOM raises in the allocating process only (the largest user fails)
+
+
 class Baseline(_Strict):
-    """Common practice: Kubernetes + DDP/torchrun semantics."""
+    """Common practice: Kubernetes + DDP/torchrun semantics (``naive``), and its ``tuned`` variant."""
 
     checkpoint_interval_s: float = Field(600.0, gt=0)
     checkpoint_blocking_s: float = Field(2.0, ge=0)
     restart_s: float = Field(90.0, ge=0)  # pod rescheduled, container + process group up, checkpoint loaded
     straggler_timeout_ms: float = Field(500.0, gt=0)  # the learner waits this long past the median, then drops
+    tuned: TunedBaseline = TunedBaseline()
 
 
 class Dsec(_Strict):

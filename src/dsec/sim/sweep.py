@@ -63,17 +63,22 @@ def sweep(
     policies: PolicySet | None = None,
     progress: Callable[[Point, dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per point: the parameter, its value, both regimes' figures and the ratio."""
+    """One row per point: the parameter, its value, the figures of DSec and of the baseline it is judged against (the
+    tuned one), the ratios and DSec's share of the recoverable loss."""
     if hours is not None:
         sc = sc.model_copy(update={"duration_h": hours})
     policies = policies if policies is not None else scenario_policies(sc)
     rows = []
     for p in points(sc):
         c = simulate(p.scenario, policies=policies if p.policies else PolicySet())
-        b, d = c.summary("baseline"), c.summary("dsec")
+        b, d = c.summary(c.comparator), c.summary("dsec")
+        h = c.headline()
         row = {
             "parameter": p.parameter,
             "value": p.value,
+            "baseline": c.comparator,
+            "goodput_ratio_naive": h["goodput_ratio_naive"],
+            "captured_share": h["captured_share"],
             "goodput_ratio": round(d["goodput_steps_per_s"] / b["goodput_steps_per_s"], 4)
             if b["goodput_steps_per_s"]
             else None,
