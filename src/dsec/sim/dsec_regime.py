@@ -117,6 +117,16 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
         self._record_runs(victims, t, failed=cause in ("crash", "oom"), oom=cause == "oom")
         sim = self.sim
+        d, per_card = self.sc.dsec, sim.layout.workers_per_gpu
+        gone = sim.card_off | self.degraded
+        moving = cause in ("migration", "power") or any(
+            sim.slot_of[w] < 0 or gone[sim.slot_of[w] // per_card] for w in sim.workers_of(g)
+        )
+        # DSec is charged what it really costs: warm standbys restart in place in ~3 s (measured); a move to
+        # another card or node costs a reschedule, and a migration also the snapshot taken before it.
+        self.restart_s = (d.restart_reschedule_s if moving else d.restart_s) + (
+            d.snapshot_cost_s if cause == "migration" else 0.0
+        )
         for w in sim.workers_of(g):
             self._reset_worker(w)
         self.last_recovery[g] = self.restart_s

@@ -116,6 +116,9 @@ class Dsec(_Strict):
     snapshot_interval_s: float = Field(90.0, gt=0)
     snapshot_cost_s: float = Field(0.25, ge=0)  # training time a snapshot costs (blocking + background work)
     restart_s: float = Field(3.2, ge=0)  # detect + stop + restart a group on warm standbys + restore
+    # A group whose worker must move (its card degraded or off): the replacement starts elsewhere, rendezvous and
+    # restore over the network; a migration also pays the snapshot taken before the move (snapshot_cost_s).
+    restart_reschedule_s: float = Field(20.0, ge=0)
     latency_cap_ms: float = Field(85.0, gt=0)
     bandwidth_cap_mbps: float = Field(128.0, gt=0)
     memory_base_gb: float | None = Field(None, gt=0)  # the pool's guaranteed quota; default: steady usage + 15%

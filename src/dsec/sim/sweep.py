@@ -20,6 +20,7 @@ from dsec.sim.scenario import Scenario
 JITTER_FRACTIONS = (0.0, 0.05, 0.1, 0.2, 0.4)
 OOM_RATE_SCALES = (0.0, 0.5, 1.0, 2.0, 4.0)
 LATENCY_CAPS_MS = (50.0, 65.0, 85.0, 120.0)
+DSEC_RESCHEDULE_S = (3.0, 10.0, 20.0, 60.0)  # what a DSec restart that moves a worker costs (issue 17)
 LATENCY_BOUND_BASE_MS = 45.0  # with 8 MB gradients at 1000 MB/s: ~53 ms per sync, 85% of it latency
 LATENCY_BOUND_MB = 8.0
 
@@ -49,6 +50,8 @@ def points(sc: Scenario) -> list[Point]:
     # The example policy's floor (60 ms) lifts an over-strict cap at its first firing: the breaker alone, too.
     for cap in LATENCY_CAPS_MS:
         out.append(Point("latency_cap_ms_without_policies", cap, _with(sc, "dsec", latency_cap_ms=cap), False))
+    for cost in DSEC_RESCHEDULE_S:
+        out.append(Point("dsec_restart_reschedule_s", cost, _with(sc, "dsec", restart_reschedule_s=cost)))
     # A latency-bound network (sync time mostly latency, not bytes: compression cannot bring it under the cap), the
     # breaker alone: where an over-strict cap bites.
     bound = _with(_with(sc, "network", base_latency_ms=LATENCY_BOUND_BASE_MS), "groups", gradient_mb=LATENCY_BOUND_MB)

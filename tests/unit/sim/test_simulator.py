@@ -320,6 +320,7 @@ def test_sweep_points_cover_the_three_dimensions_and_findings_speak_plainly() ->
         "latency_cap_ms",
         "latency_cap_ms_without_policies",
         "latency_cap_ms_latency_bound",
+        "dsec_restart_reschedule_s",
     }
     assert any(p.parameter == "latency_cap_ms" and p.value == 50.0 for p in ps)
     rows = [
@@ -382,3 +383,15 @@ def test_set_overrides_any_field_and_names_a_bad_one() -> None:
         with_overrides(small(), ["dsec.latency_cap_ms=-5"])
     with pytest.raises(ConfigError, match="expected PATH=VALUE"):
         with_overrides(small(), ["nonsense"])
+
+
+def test_dsec_pays_a_reschedule_and_a_snapshot_when_a_group_moves_off_a_degraded_card() -> None:
+    sc = small(**QUIET)
+    r = DsecRegime(sc, None)
+    sim = Simulation(sc, r)
+    r.place_all(0.0)
+    g, w = 0, int(sim.workers_of(0)[0])
+    assert r.restart(g, 10.0, "crash", [w]) == pytest.approx(sc.dsec.restart_s)  # in place, on warm standbys
+    r.set_card_health(int(sim.slot_of[w] // 4), DeviceHealth.DEGRADED)
+    moved = r.restart(g, 20.0, "migration", [w])
+    assert moved == pytest.approx(sc.dsec.restart_reschedule_s + sc.dsec.snapshot_cost_s)
