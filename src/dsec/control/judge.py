@@ -80,6 +80,7 @@ class Judge:
         # Workers the last fleet comparison could judge on speed (their role had enough peers reporting it).
         self.judged: set[str] = set()
         self.slow_pools: set[str] = set()
+        self.latency_floors: dict[str, float] = {}  # cap safety, per pool (decide.safe_latency_floor)
         self.pool_memory: dict[str, PoolMemory] = {}
         # Breaker levels recorded before a restart (from the durable breaker events), by worker.
         self.resume_levels: dict[str, int] = {}
@@ -94,6 +95,7 @@ class Judge:
             pool.memory_ceiling_gb if pool else None,
             w.directive.fields,
             self.config.memory_pressure,
+            self.latency_floors.get(w.pool),
         )
 
     def breaker(self, w: LiveWorker, now: float) -> Breaker:
@@ -208,15 +210,25 @@ class Judge:
     def _fleet(self, now: float) -> list[Event]:
         events: list[Event] = []
         judged: set[str] = set()
-        for pool_name, ws in self._active_by_pool().items():
+        by_pool = self._active_by_pool()
+        for pool_name, ws in by_pool.items():
             pool = self.state.pools.get(pool_name)
-            v = judge_pool(pool, pool_name, ws, self.flags, pool_name in self.slow_pools, self.config.fleet, now)
+            was_slow = pool_name in self.slow_pools
+            v = judge_pool(
+                pool, pool_name, ws, self.flags, was_slow, self.config.fleet, now, self.config.breaker.margin
+            )
             events += v.events
             judged |= v.judged
             self.flags.update(v.flags)
             if pool is not None:
                 (self.slow_pools.add if v.slow_pool else self.slow_pools.discard)(pool_name)
+                if v.latency_floor_ms is None:
+                    self.latency_floors.pop(pool_name, None)
+                else:
+                    self.latency_floors[pool_name] = v.latency_floor_ms
         self.judged = judged
+        for gone in set(self.latency_floors) - set(by_pool):  # no active worker: nothing to be safe from
+            self.latency_floors.pop(gone, None)
         return events
 
     def pool_capacity_gb(self, pool: Pool) -> float | None:

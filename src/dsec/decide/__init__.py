@@ -20,7 +20,7 @@ the CLI.
 """
 
 from dsec.decide.beat import BeatInputs, BreakerMove, breaker_step, judge_beat
-from dsec.decide.caps import caps_for, sample_from
+from dsec.decide.caps import caps_for, safe_latency_floor, sample_from
 from dsec.decide.devices import DegradeVerdict, degrade, occupancy
 from dsec.decide.fleet import FleetVerdict, judge_pool, judged_workers, slow_workers
 from dsec.decide.gauges import PoolGauges, WorkerGauges, policy_samples, pool_gauges_of, pool_recovery_s
@@ -53,6 +53,7 @@ __all__ = [
     "pool_gauges_of",
     "pool_recovery_s",
     "precision_restore",
+    "safe_latency_floor",
     "sample_from",
     "slow_workers",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dsec.breaker import Caps, Sample
@@ -18,22 +18,46 @@ def finite(metrics: Mapping[str, Any], key: str) -> float | None:
     return None
 
 
+#: When a whole pool cannot get under its latency cap, the cap in force is this much above the pool's median: above
+#: 1 / (1 - margin) = 1.25 so a worker at the median is calm, with room for per-sync noise.
+SAFE_CAP_HEADROOM = 1.5
+
+
 def caps_for(
     thresholds: PoolThresholds | None,
     pool_ceiling_gb: float | None,
     fields: DirectiveFields | None = None,
     memory_pressure: float = 1.0,
+    latency_floor_ms: float | None = None,
 ) -> Caps:
     """The caps in force: the worker's own directive overrides, else its pool's thresholds (which policies may
     change), else the defaults. The memory cap is the memory ceiling times ``memory_pressure`` (1.0 as shipped:
-    the breaker's memory path acts at the ceiling)."""
+    the breaker's memory path acts at the ceiling). ``latency_floor_ms`` (from :func:`safe_latency_floor`) lifts a
+    latency cap the whole pool is over."""
     th = thresholds or PoolThresholds()
     ceiling = (fields.memory_ceiling_gb if fields else None) or pool_ceiling_gb
+    latency = (fields.latency_cap_ms if fields else None) or th.latency_cap_ms
     return Caps(
         bandwidth_mbps=(fields.bandwidth_cap_mbps if fields else None) or th.bandwidth_cap_mbps,
-        latency_ms=(fields.latency_cap_ms if fields else None) or th.latency_cap_ms,
+        latency_ms=latency if latency_floor_ms is None else max(latency, latency_floor_ms),
         memory_gb=None if ceiling is None else ceiling * memory_pressure,
     )
+
+
+def safe_latency_floor(
+    costs: Iterable[float | None], cap_ms: float, min_peers: int, margin: float = 0.2
+) -> float | None:
+    """Cap safety: no latency cap may hold a healthy pool in permanent meltdown. A worker steps down only when its
+    samples are under ``cap x (1 - margin)`` (the breaker's hysteresis), so once the lower median of the pool's
+    per-worker sync costs (at least ``min_peers`` reporting) is over that, most of the pool can never recover: the
+    lateness is the pool's network or backend, which no worker's degradation fixes. The cap in force then becomes
+    ``SAFE_CAP_HEADROOM`` x that median — a worker at the median is calm, one much slower than its peers is still
+    degraded. None when the cap is safe."""
+    values = sorted(c for c in costs if c is not None and math.isfinite(c))
+    if len(values) < min_peers:
+        return None
+    median = values[(len(values) - 1) // 2]
+    return median * SAFE_CAP_HEADROOM if median > cap_ms * (1.0 - margin) else None
 
 
 def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.alerts.model import Severity
-from dsec.decide.caps import sample_from
+from dsec.decide.caps import safe_latency_floor, sample_from
 from dsec.decide.verdicts import alert_event
 from dsec.decide.views import WorkerView
 from dsec.health.fleet import FleetConfig, FleetReport, Outlier, PeerSample, compare
@@ -23,6 +23,7 @@ class FleetVerdict:
     flags: dict[str, set[str]] = field(default_factory=dict)  # worker -> features it is an outlier on now
     judged: set[str] = field(default_factory=set)  # workers whose speed could be compared with peers
     slow_pool: bool = False  # most peers over the pool's latency cap at once
+    latency_floor_ms: float | None = None  # cap safety: the latency cap in force is at least this (decide.caps)
 
 
 def features(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -54,6 +55,7 @@ def judge_pool(
     was_slow: bool,
     config: FleetConfig,
     now: float,
+    margin: float = 0.2,
 ) -> FleetVerdict:
     """Compare the active ``workers`` of one pool; events for new and cleared outliers (``previous``: each
     worker's flags before) and for the pool's sync slowdown starting (``was_slow``: it was already reported)."""
@@ -73,6 +75,8 @@ def judge_pool(
     if pool is not None:
         verdict.slow_pool, alert = _pool_slowdown(pool, workers, was_slow, config, now)
         verdict.events += alert
+        costs = [sample_from(w.metrics, now).latency_ms for w in workers]
+        verdict.latency_floor_ms = safe_latency_floor(costs, pool.thresholds.latency_cap_ms, config.min_peers, margin)
     return verdict
 
 
@@ -97,7 +101,7 @@ def _pool_slowdown(
     pool: Pool, workers: Sequence[WorkerView], was_slow: bool, config: FleetConfig, now: float
 ) -> tuple[bool, list[Event]]:
     """Every peer over the latency cap at once is the pool's network or backend, not one bad worker: one
-    pool-level alert (the breakers still degrade each worker over its cap)."""
+    pool-level alert (and the cap in force is lifted above the pool's median: ``safe_latency_floor``)."""
     costs = [sample_from(w.metrics, now).latency_ms for w in workers]
     values = sorted(c for c in costs if c is not None)
     cap = pool.thresholds.latency_cap_ms

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dsec.breaker import Action, Breaker, BreakerConfig, Caps, Phase, Sample
-from dsec.decide import PoolGauges, breaker_step, caps_for, policy_samples
+from dsec.decide import PoolGauges, breaker_step, caps_for, policy_samples, safe_latency_floor
 from dsec.decide.gauges import sync_success, utilization
 from dsec.health.fleet import DEFAULT_FEATURES, FleetConfig
 from dsec.model import DeviceHealth, Pool, PoolThresholds, WorkerState
@@ -215,7 +215,17 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         self.plan_slot[run] = sim.slot_of[run]
         self.plan_count = counts
 
-    def _caps(self, g: int) -> Caps:
+    def _latency_floors(self, groups: np.ndarray, latency_ms: np.ndarray) -> dict[int, float | None]:
+        """Cap safety per running group (``dsec.decide.safe_latency_floor``), its workers' latencies this sample."""
+        lat = latency_ms.reshape(self.sim.G, self.sim.n)
+        return {
+            int(g): safe_latency_floor(
+                lat[g].tolist(), self._caps(int(g)).latency_ms, self.fleet_config.min_peers, self.breaker_config.margin
+            )
+            for g in groups
+        }
+
+    def _caps(self, g: int, latency_floor_ms: float | None = None) -> Caps:
         """The group's caps as the control plane computes them (``dsec.decide.caps_for``) from its pool's knobs,
         which policies may change; workers carry no per-worker cap overrides here."""
         pool = self.pool_names[g]
@@ -228,7 +238,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
             latency_cap_ms=float(lat) if lat is not None else default.latency_cap_ms,
         )
         ceiling_gb = None if ceiling is None else float(ceiling)
-        return caps_for(thresholds, ceiling_gb, None, self.sc.dsec.memory_pressure_fraction)
+        return caps_for(thresholds, ceiling_gb, None, self.sc.dsec.memory_pressure_fraction, latency_floor_ms)
 
     def _breakers(self, k: int, t: float, run: np.ndarray, mem: np.ndarray, latency_ms: np.ndarray) -> None:
         """One sample per running worker into its breaker (dsec.breaker), and the ladder's fields for each decision.
@@ -249,7 +259,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         self.ring_run[slot] = False
         self.ring_run[slot, run] = True
         self.ring_bw[slot, run], self.ring_lat[slot, run], self.ring_mem[slot, run] = bw, lat, m
-        caps_of = {int(g): self._caps(int(g)) for g in np.unique(groups)}
+        floors = self._latency_floors(np.unique(groups), latency_ms)
+        caps_of = {g: self._caps(g, floor) for g, floor in floors.items()}
         if self.reference:
             need = np.ones(len(run), dtype=bool)
         else:

@@ -143,3 +143,27 @@ def test_policy_samples_leave_out_gauges_without_a_value() -> None:
     assert out[("dsec_pool_memory_used_gb", "p", None)] == 4.0
     assert ("dsec_pool_memory_granted_gb", "p", None) not in out
     assert out[("dsec_breaker_level", "p", "w0")] == 2.0
+
+
+# -- cap safety (issue 17) -----------------------------------------------------------------------------------------
+def test_a_cap_the_whole_pool_cannot_get_under_is_lifted_above_the_pools_median() -> None:
+    from dsec.decide import safe_latency_floor
+
+    # Every peer at ~53 ms under a 50 ms cap: none could ever be calm (under 40 ms), so the cap in force is 1.5x
+    # the median; a worker much slower than its peers (120 ms) is still over it.
+    floor = safe_latency_floor([52.0, 53.0, 54.0, 120.0], cap_ms=50.0, min_peers=3, margin=0.2)
+    assert floor == pytest.approx(1.5 * 53.0)
+    caps = caps_for(POOL.thresholds, None, None, latency_floor_ms=floor)
+    assert caps.latency_ms == pytest.approx(79.5) and caps.latency_ms < 120.0
+    # One slow worker among healthy peers, or too few peers: the cap stands.
+    assert safe_latency_floor([10.0, 11.0, 12.0, 300.0], cap_ms=50.0, min_peers=3) is None
+    assert safe_latency_floor([60.0, 60.0], cap_ms=50.0, min_peers=3) is None
+    assert caps_for(POOL.thresholds, None, None, latency_floor_ms=None).latency_ms == 50.0
+
+
+def test_the_fleet_judgment_reports_the_cap_safety_floor() -> None:
+    ws = [view(i, metrics={"sync_latency_ms_p50": 48.0 + i}) for i in range(4)]
+    v = judge_pool(POOL, "p", ws, {}, False, FleetConfig(), 1.0, margin=0.2)
+    assert v.latency_floor_ms == pytest.approx(1.5 * 49.0)
+    calm = [view(i, metrics={"sync_latency_ms_p50": 20.0}) for i in range(4)]
+    assert judge_pool(POOL, "p", calm, {}, False, FleetConfig(), 1.0).latency_floor_ms is None

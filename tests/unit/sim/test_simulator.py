@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dsec.model import DeviceHealth
+from dsec.policy import PolicySet
 from dsec.sim.dsec_regime import DsecRegime
 from dsec.sim.engine import Simulation
 from dsec.sim.regimes import Baseline, TunedBaseline, example_policy_files, policies_from, young_daly_interval_s
@@ -395,3 +396,14 @@ def test_dsec_pays_a_reschedule_and_a_snapshot_when_a_group_moves_off_a_degraded
     r.set_card_health(int(sim.slot_of[w] // 4), DeviceHealth.DEGRADED)
     moved = r.restart(g, 20.0, "migration", [w])
     assert moved == pytest.approx(sc.dsec.restart_reschedule_s + sc.dsec.snapshot_cost_s)
+
+
+def test_an_over_strict_cap_does_not_hold_a_latency_bound_pool_in_meltdown() -> None:
+    """Sync time mostly latency (45 ms base, 8 MB gradients: ~53 ms) under a 50 ms cap, no policies: the cap-safety
+    floor lifts the cap above the pool's median, so DSec keeps training (before: level 3 everywhere, ~0.3x)."""
+    quiet = {**QUIET, "network": {"base_latency_ms": 45.0, "jitter": {"fraction": 0}}}
+    sc = small(**quiet, dsec={"latency_cap_ms": 50.0})
+    sc = sc.model_copy(update={"groups": sc.groups.model_copy(update={"gradient_mb": 8.0})})
+    c = simulate(sc, policies=PolicySet())
+    assert c.headline()["goodput_ratio"] > 0.9
+    assert c.summary("dsec")["meltdowns"] < sc.workers  # not every worker degraded
