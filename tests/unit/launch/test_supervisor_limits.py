@@ -131,6 +131,17 @@ def test_max_restarts_zero_gives_up_on_the_first_failure(clock: Clock) -> None:
     assert len(launcher.starts) == 1 and sup.recoveries == []
 
 
+def test_ranks_crashing_together_cost_one_restart(clock: Clock) -> None:
+    # Both ranks of the first incarnation die in the same poll (a group crashes as a whole, e.g. a collective
+    # error); the restarted group finishes. One failure, one restart: the second exit is the same incarnation's.
+    launcher = Launcher(lambda w, n: 1 if n == 0 else 0, clock)
+    sup = Supervisor(job(max_restarts=1), launcher)
+    sup.start()
+    assert sup.run(timeout_s=30) is True
+    assert sup.failed == {} and sup.restarts == {"g": 1}
+    assert len(launcher.starts) == 2
+
+
 def test_restores_never_reported_close_the_recovery_after_resume_timeout(clock: Clock) -> None:
     cp = ControlPlane()
     launcher = Launcher(lambda w, n: 1 if (n, w.rank) == (0, 0) else None, clock)
