@@ -46,15 +46,16 @@ def test_each_transition_records_its_evidence_exactly() -> None:
     assert again.evidence["evidence_since"] == 2.0 and again.level_before == 1 and not again.meltdown
     b.issued(3, now=3.5)
     feed(b, [(4.0, 10.0)], acked=3)  # acked: OPEN at level 2
-    calm = feed(b, [(4.1234, 10.0), (5.0, 10.0), (6.12345, 10.0)], acked=3)
+    calm = feed(b, [(4.1234, 10.0), (5.0, 10.0), (6.24685, 10.0)], acked=3)
     assert [t.to_dict() for t in calm] == [
         {
             "from": "open", "to": "recovering", "trigger": "calm", "action": "step_down", "level_from": 2,
             "level_to": 1, "meltdown": False, "relapse": False,
-            "evidence": {"calm_for_s": 2.0, "wait_s": 2.0, "samples": 3, "margin": 0.2, "caps": CAP_LIMITS},
+            "evidence": {"calm_for_s": 2.123, "wait_s": 2.0, "samples": 3, "margin": 0.2, "caps": CAP_LIMITS},
         }
     ]  # fmt: skip
-    assert calm[0].evidence["calm_for_s"] == round(6.12345 - 4.1234, 3)
+    assert b.to_dict() == {"phase": "recovering", "level": 1, "wait_s": 2.0, "awaiting_version": None, "meltdowns": 1,
+                           "relapses": 0, "causes": ["latency_ms"]}  # fmt: skip
 
 
 def test_counters_and_the_relapse_backoff() -> None:
@@ -69,6 +70,13 @@ def test_counters_and_the_relapse_backoff() -> None:
     assert [t.relapse for t in [hot, *calm]] == [False, False, False]
     assert (relapse.action, relapse.relapse, relapse.meltdown) == (Action.ESCALATE, True, True)
     assert (b.relapses, b.meltdowns, b.wait_s) == (1, 2, 2 * CONFIG.recovery_s)
+    # Once more: calm for the doubled wait, down to 0, and a second relapse doubles it again.
+    b.issued(4, now=6.0)
+    feed(b, [(6.5 + t * 0.5, 10.0) for t in range(10)], acked=4)  # acked at 6.5, steps down at 11.0
+    b.issued(5, now=11.0)
+    feed(b, [(11.5, 10.0)], acked=5)
+    [second] = feed(b, [(12.0, 200.0), (12.5, 200.0), (13.0, 200.0)], acked=5)
+    assert second.relapse and (b.relapses, b.meltdowns, b.wait_s) == (2, 3, 4 * CONFIG.recovery_s)
 
 
 def test_a_breaker_closed_again_forgets_its_causes() -> None:
@@ -95,6 +103,8 @@ def test_calm_lies_strictly_below_the_cap_minus_the_margin(value: float, calm: b
 
 
 def test_step_down_after_exactly_wait_s_of_exactly_min_samples_calm() -> None:
+    two = Breaker.resumed(CONFIG, level=1, now=0.0)
+    assert feed(two, [(1.0, 10.0), (3.5, 10.0)]) == []  # calm for longer than wait_s, but only two samples
     b = Breaker.resumed(CONFIG, level=1, now=0.0)
     assert feed(b, [(1.0, 10.0), (2.0, 10.0)]) == []
     [down] = feed(b, [(3.0, 10.0)])  # the third calm sample, 2.0 s after the first: both bounds inclusive
@@ -138,6 +148,10 @@ def test_undo_is_the_state_before_the_last_transition_only() -> None:
     # Restored, it decides the same again from the same samples.
     t = saved.decide(1.0, CAPS, 0)
     assert t is not None and t.action is Action.ESCALATE
+    b.issued(2, now=1.0)
+    feed(b, [(1.5, 200.0)], acked=2)  # the ack: a second transition
+    after_ack = b.undo()
+    assert after_ack is not None and after_ack.phase is Phase.ESCALATING and after_ack.undo() is None
 
 
 @pytest.mark.parametrize(
