@@ -65,4 +65,32 @@ def test_config_checks() -> None:
     for field in ("min_abs_excess", "min_rel_excess"):
         with pytest.raises(ValueError, match=f"^{field}=-1 is invalid"):
             FeatureSpec("x", "high", **{"min_abs_excess": 0.0, "min_rel_excess": 0.0, field: -1})
-    assert PeerSample("w", Role.ACTOR, "g").role == "actor"  # type: ignore[arg-type]
+    role = PeerSample("w", Role.ACTOR, "g").role  # type: ignore[arg-type]
+    assert type(role) is str and role == "actor"  # the enum's value: hashed as the plain name
+
+
+def test_direction_low_flags_only_far_below_a_wide_spread() -> None:
+    low = FeatureSpec("x", "low", min_abs_excess=1.0, min_rel_excess=0.0)
+    # 10 is 30 below the median of 40 but only ~1 MAD: not an outlier, in either direction.
+    values = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]
+    assert compare(peers("x", values), FleetConfig(features=(low,))).outliers == ()
+
+
+def test_direction_both_measures_the_distance_for_negative_values_too() -> None:
+    both = FeatureSpec("x", "both", min_abs_excess=5.0, min_rel_excess=0.0)
+    # Median 1, value -5: 6 away (beyond the floor of 5), though |value + median| would be only 4.
+    [o] = compare(peers("x", [1.0, 1.0, 1.0, 1.0, -5.0]), FleetConfig(features=(both,))).outliers
+    assert (o.worker_id, o.z) == ("w4", pytest.approx(-6.0 / (5.0 / 3.5)))
+
+
+@pytest.mark.parametrize(("direction", "odd"), [("high", 40.0), ("low", -40.0), ("both", 40.0), ("both", -40.0)])
+def test_a_worker_exactly_at_the_threshold_is_not_an_outlier(direction: str, odd: float) -> None:
+    # Spread peers (the MAD is the scale, far above the tiny floors): find the odd worker's exact z, then make that
+    # the threshold. Beyond means strictly beyond.
+    spec = FeatureSpec("x", direction, min_abs_excess=1e-6, min_rel_excess=0.0)  # type: ignore[arg-type]
+    samples = peers("x", [-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, odd])
+    [stats] = compare(samples, FleetConfig(features=(spec,))).stats
+    z = (odd - stats.median) / stats.mad
+    assert compare(samples, FleetConfig(z_threshold=abs(z), features=(spec,))).outliers == ()
+    just_below = FleetConfig(z_threshold=abs(z) * (1 - 1e-9), features=(spec,))
+    assert [o.worker_id for o in compare(samples, just_below).outliers] == ["w7"]

@@ -41,7 +41,35 @@ def test_worker_memory_accepts_zero_and_no_report() -> None:
 
 def test_quota_config_names_the_field() -> None:
     assert QuotaConfig(reserve_gb=0.0, slack_fraction=0.0, grow_when_used_fraction=1.0).reserve_gb == 0.0
-    bad_values = (("step_gb", 0.0), ("reserve_gb", -1.0), ("slack_fraction", -0.1), ("grow_when_used_fraction", 0.0))
+    bad_values = (("step_gb", 0.0), ("step_gb", "1"), ("reserve_gb", -1.0), ("slack_fraction", -0.1),
+                  ("grow_when_used_fraction", 0.0))  # fmt: skip
     for field, bad in bad_values:
         with pytest.raises(ValueError, match=f"^{field}="):
             QuotaConfig(**{field: bad})
+
+
+def test_plan_checks_name_the_argument() -> None:
+    for args, name in (((-1.0, 4.0, 12.0), "capacity_gb"), ((40.0, -1.0, 12.0), "base_gb"), ((40.0, 4.0, -1.0),
+                       "ceiling_gb")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{name}=-1.0 is invalid"):
+            plan(*args, [])
+
+
+def test_quotas_at_base_or_ceiling_and_usage_at_the_ceiling_are_in_bounds() -> None:
+    result = plan(100.0, 4.0, 12.0, [WorkerMemory("a", 1.0, 4.0), WorkerMemory("b", 12.0, 12.0)])
+    assert result.changes == {} and result.reasons == {} and result.over_ceiling == ()
+    over = plan(100.0, 4.0, 12.0, [WorkerMemory("b", 12.5, 12.0)])
+    assert over.over_ceiling == ("b",)
+
+
+def test_apply_keeps_the_reported_usage() -> None:
+    workers = [WorkerMemory("a", 6.5, 7.0)]
+    result = plan(40.0, 4.0, 12.0, workers)
+    assert result.apply(workers) == (WorkerMemory("a", 6.5, 8.0),)
+
+
+def test_a_worker_with_two_changes_gets_both_reasons() -> None:
+    # Raised to the base, and then grown (its usage is near the new quota): one reason line per change.
+    result = plan(100.0, 4.0, 12.0, [WorkerMemory("a", 3.9, 2.0)])
+    assert result.changes == {"a": 5.0}
+    assert "; " in result.reasons["a"] and len(result.reasons["a"].split("; ")) == 2
