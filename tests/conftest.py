@@ -77,28 +77,39 @@ def _live_children() -> dict[int, psutil.Process]:
     return out
 
 
+def _started_by(p: psutil.Process, services: set[int]) -> bool:
+    """Whether ``p`` descends from one of ``services``: processes that a longer-lived fixture's service started for
+    itself (Ray's raylet and its worker pool) are that fixture's to stop, not the test's."""
+    with contextlib.suppress(psutil.Error):
+        return any(a.pid in services for a in p.parents())
+    return False
+
+
 def _kill_leftovers(procs: list[psutil.Process]) -> None:
-    """SIGKILL each leftover's whole process group (a `dsec run` and its ranks go together), or the process itself
-    when it shares ours."""
-    own = os.getpgrp()
+    """SIGKILL each leftover that leads its own process group with that group (a `dsec run` started with
+    start_new_session and its ranks go together); any other leftover alone (its group may hold processes that are
+    not this test's)."""
     for p in procs:
         with contextlib.suppress(ProcessLookupError, psutil.Error):
-            pgid = os.getpgid(p.pid)
-            if pgid != own:
-                os.killpg(pgid, signal.SIGKILL)
+            if os.getpgid(p.pid) == p.pid:
+                os.killpg(p.pid, signal.SIGKILL)
             else:
                 p.kill()
     psutil.wait_procs(procs, timeout=10)
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_processes() -> Iterator[None]:
-    """A test must stop every process it started, children of its children included. Leftovers get a grace period
+def _no_leaked_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test must stop every process it started, children of its children included (but not those of a process that
+    was already running: a module fixture's service, see _started_by). Leftovers get a grace period
     (a process told to stop may take a moment), then are killed — so that one leak fails one test, not the next
     ones too — and the test fails naming them."""
+    if request.node.get_closest_marker("shared_processes") is not None:
+        yield
+        return
     before = set(_live_children())
     yield
-    leaked = [p for pid, p in _live_children().items() if pid not in before]
+    leaked = [p for pid, p in _live_children().items() if pid not in before and not _started_by(p, before)]
     if not leaked:
         return
     _, alive = psutil.wait_procs(leaked, timeout=10)
