@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup native demo test test-slow check bench serve clean
+.PHONY: setup native demo test test-slow check bench serve mutation clean
 
 setup:
 	@bash scripts/setup.sh
@@ -38,6 +38,15 @@ check: setup
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+# Mutation testing (docs/testing.md), not part of `make test` or CI's default run: mutants of the modules that
+# [tool.mutmut] in pyproject.toml names, each against the unit tests that execute it. MUTATION_SCOPE narrows the run
+# to mutant names, e.g. MUTATION_SCOPE='dsec.breaker*'. Survivors: $(BIN)/mutmut show <name>.
+MUTATION_SCOPE ?=
+mutation: setup
+	rm -rf mutants
+	$(BIN)/mutmut run --max-children 2 $(MUTATION_SCOPE)
+	$(BIN)/mutmut results
+
 bench: setup
 	$(BIN)/python -m pip --disable-pip-version-check -q install -e ".[bench]"
 	$(BIN)/python benchmarks/ingest.py
@@ -49,4 +58,4 @@ serve: setup
 	$(BIN)/dsec serve --cluster examples/cluster.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from dsec.client import Client
@@ -63,6 +66,72 @@ def _no_leaked_threads() -> Iterator[None]:
         time.sleep(0.02)
         leaked = _dsec_threads() - before
     assert not leaked, f"test left threads running: {sorted(t.name for t in leaked)}"
+
+
+def _live_children() -> dict[int, psutil.Process]:
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE:  # exited, only not reaped yet: nothing runs
+                out[p.pid] = p
+    return out
+
+
+def _started_by(p: psutil.Process, services: set[int]) -> bool:
+    """Whether ``p`` descends from one of ``services``: processes that a longer-lived fixture's service started for
+    itself (Ray's raylet and its worker pool) are that fixture's to stop, not the test's."""
+    with contextlib.suppress(psutil.Error):
+        return any(a.pid in services for a in p.parents())
+    return False
+
+
+def _kill_leftovers(procs: list[psutil.Process]) -> None:
+    """SIGKILL each leftover that leads its own process group with that group (a `dsec run` started with
+    start_new_session and its ranks go together); any other leftover alone (its group may hold processes that are
+    not this test's)."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            if os.getpgid(p.pid) == p.pid:
+                os.killpg(p.pid, signal.SIGKILL)
+            else:
+                p.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test must stop every process it started, children of its children included (but not those of a process that
+    was already running: a module fixture's service, see _started_by). Leftovers get a grace period
+    (a process told to stop may take a moment), then are killed — so that one leak fails one test, not the next
+    ones too — and the test fails naming them."""
+    if request.node.get_closest_marker("shared_processes") is not None:
+        yield
+        return
+    before = set(_live_children())
+    yield
+    leaked = [p for pid, p in _live_children().items() if pid not in before and not _started_by(p, before)]
+    if not leaked:
+        return
+    _, alive = psutil.wait_procs(leaked, timeout=10)
+    alive = [p for p in alive if p.pid in _live_children()]
+    if not alive:
+        return
+    names = []
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            names.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
+    _kill_leftovers(alive)
+    pytest.fail(f"test left processes running (killed now): {names}")
+
+
+def stop_process_group(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """Wait up to ``timeout`` for ``proc`` (started with ``start_new_session=True``) to exit, then SIGKILL its whole
+    process group: killing only the parent of a `dsec run` or an ``mp.spawn`` job leaves its ranks running."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # also after a clean exit: ranks it left behind
+    proc.wait()
 
 
 # -- polling ------------------------------------------------------------------------------------------

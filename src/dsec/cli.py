@@ -306,11 +306,14 @@ def demo(
     workers_n: Annotated[int, typer.Option("--workers", min=2, max=8, help="DDP learner ranks (PPO).")] = 2,
     duration: Annotated[float, typer.Option(min=5, max=600, help="Longest PPO training time, seconds.")] = 75.0,
     keep: Annotated[bool, typer.Option(help="Keep the temporary DSEC_HOME.")] = False,
+    summary_json: Annotated[
+        Path | None, typer.Option(help="Also write the summary as JSON here (scenes passed, counts, notes).")
+    ] = None,
 ) -> None:
     """Run an embedded control plane and real training processes, show them live, print a summary."""
     from dsec.demo import run_demo
 
-    sys.exit(run_demo(console, workers=workers_n, duration_s=duration, keep_home=keep))
+    sys.exit(run_demo(console, workers=workers_n, duration_s=duration, keep_home=keep, summary_json=summary_json))
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Harness, make_settings, wait_for
+from conftest import Harness, make_settings, stop_process_group, wait_for
 from dsec.breaker import BreakerConfig
 from dsec.control.judge import JudgeConfig
 from dsec.control.server import free_port
@@ -47,14 +47,10 @@ def job(cp: Harness, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], 
         "--stop-file", str(stop), "--out", str(out), "--sleep", "0.02",
     ]  # fmt: skip
     with log.open("wb") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     yield proc, stop, log
     stop.touch()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process_group(proc)
 
 
 def _ranks(cp: Harness) -> dict[int, dict[str, Any]]:

@@ -28,6 +28,9 @@ from dsec.launch.ray_backend import RayLauncher  # noqa: E402
 from dsec.scheduler.inventory import Inventory, synthesize  # noqa: E402
 from dsec.scheduler.placement import GroupSpec, JobSpec, Placement, WorkerSpec, place  # noqa: E402
 
+# Ray's worker pool and the nodes a test adds live in the module's cluster, which stops them at its teardown.
+pytestmark = pytest.mark.shared_processes
+
 MB = 1024 * 1024
 NODE_ARGS: dict[str, Any] = {"num_cpus": 4, "num_gpus": 2, "object_store_memory": 80 * MB}
 # Settings that keep Ray on loopback and off the auth token it would otherwise write (shared/NOTES-machine.md).

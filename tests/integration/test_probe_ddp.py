@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Harness, make_settings, wait_for
+from conftest import Harness, make_settings, stop_process_group, wait_for
 from dsec.control.server import free_port
 
 pytest.importorskip("torch")
@@ -69,20 +69,15 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., Job]]:
             str(out),
         ]
         with log.open("wb") as fh:
-            proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         job = Job(proc, stop, out, log)
         jobs.append(job)
         return job
 
     yield start
     for job in jobs:
-        if job.proc.poll() is None:
-            job.stop_file.touch()
-            try:
-                job.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                job.proc.kill()
-                job.proc.wait()
+        job.stop_file.touch()
+        stop_process_group(job.proc)
 
 
 def _by_rank(server: Harness) -> dict[int, dict[str, Any]]:

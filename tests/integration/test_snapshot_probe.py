@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Harness, wait_for
+from conftest import Harness, stop_process_group, wait_for
 
 pytest.importorskip("torch")
 
@@ -32,7 +32,7 @@ def _run(
         "--role", "learner", "--snapshot-dir", str(snapdir), *extra, "--", sys.executable, str(FIXTURE), *script_args,
     ]  # fmt: skip
     with out.open("wb") as fh:
-        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -40,11 +40,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process_group(proc)
 
 
 def test_directive_snapshot_then_restore_continues_bit_identically(

@@ -68,3 +68,42 @@ def test_private_file_creates_or_narrows(tmp_path: Path, usual_umask: None) -> N
     assert stat.S_IMODE(old.stat().st_mode) == 0o644
     private_file(old)
     assert stat.S_IMODE(old.stat().st_mode) == 0o600 and old.read_bytes() == b"data"
+
+
+# -- durability: the fsync / rename order a crash relies on -----------------------------------------------------
+class Syscalls:
+    """Records os.fsync / os.replace / os.link as (call, what) in order, then performs them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, object]] = []
+        real_fsync, real_replace, real_link = os.fsync, os.replace, os.link
+
+        def fsync(fd: int) -> None:
+            st = os.fstat(fd)
+            self.calls.append(("fsync_dir" if stat.S_ISDIR(st.st_mode) else "fsync_file", st.st_ino))
+            real_fsync(fd)
+
+        def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+            self.calls.append(("replace", Path(dst)))
+            real_replace(src, dst)
+
+        def link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+            self.calls.append(("link", Path(dst)))
+            real_link(src, dst)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(os, "link", link)
+
+
+@pytest.mark.parametrize(("overwrite", "publish"), [(True, "replace"), (False, "link")])
+def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_directory_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overwrite: bool, publish: str
+) -> None:
+    target = tmp_path / "sub" / "state.json"
+    rec = Syscalls(monkeypatch)
+    write_atomic(target, b"new contents", overwrite=overwrite)
+    # The data reaches the disk before its name can point at it, and the name reaches the disk after.
+    file_ino, dir_ino = target.stat().st_ino, target.parent.stat().st_ino
+    assert rec.calls == [("fsync_file", file_ino), (publish, target), ("fsync_dir", dir_ino)]
+    assert target.read_bytes() == b"new contents"

@@ -847,6 +847,18 @@ def test_clear_when_hysteresis_keeps_firing_between_the_thresholds_and_rearms_on
     assert sim.log() == [(0, "r", "pool-0", "applied", 8, 7), (25, "r", "pool-0", "applied", 7, 6)]
 
 
+def test_between_the_thresholds_a_rule_with_a_cooldown_does_not_keep_pushing() -> None:
+    # Cooldown 10 min: while `when` holds the rule acts again every 10 min; between `when` and `clear_when` it keeps
+    # firing (no resolve) for 30 min, three cooldowns, and acts not once more; above `when` again it resumes.
+    text = rule_text("cooldown: 10m\nclear_when: dsec_workers_lost < 2\n", when="dsec_workers_lost > 5")
+    sim = Sim(text, store(steps(LOST, [(0, 6), (12, 3), (45, 6)])), knobs={("pool-0", "gpu_quota"): 8})
+    sim.run(0, 44)
+    assert sim.log() == [(0, "r", "pool-0", "applied", 8, 7), (10, "r", "pool-0", "applied", 7, 6)]
+    assert [p for _, _, _, p in sim.phases()] == ["pending", "firing"]
+    sim.run(45, 45)
+    assert sim.log()[-1] == (45, "r", "pool-0", "applied", 6, 5)
+
+
 def test_missing_data_resolves_a_rule_without_clear_when_and_never_fires() -> None:
     sim = Sim(rule_text(), store(steps(LOST, [(0, 5), (10, math.nan)])), knobs={("pool-0", "gpu_quota"): 8})
     sim.run(0, 20)

@@ -45,6 +45,7 @@ from dsec.snapshot import (  # noqa: E402
     verify,
 )
 from dsec.snapshot import codec as snapcodec  # noqa: E402
+from dsec.snapshot.manifest import seal  # noqa: E402
 from dsec.snapshot.reader import Loaded, read_manifest  # noqa: E402
 
 BLOCK = quant.DEFAULT_BLOCK
@@ -616,6 +617,30 @@ def test_missing_chunk_is_reported(tmp_path: Path) -> None:
     with pytest.raises(CorruptSnapshot, match="missing"):
         load(store, "w", 2)
     assert bad_seqs(store, "w") == [2, 3]
+
+
+def test_intact_chunk_rebuilding_other_bytes_fails_the_tensor_checksum(tmp_path: Path) -> None:
+    # Snapshot 3's delta of m/2.weight is replaced by snapshot 2's: a real chunk (its name is its hash) of the
+    # right length, in a manifest sealed again. Every check up to the rebuilt bytes passes; only the tensor's
+    # own checksum (the sha of the encoded bytes it must rebuild to) tells that the weights are wrong.
+    store = LocalDirStore(tmp_path)
+    events = Events()
+    expected = _three_snapshots(store, events, base_every=4)
+    m3 = read_manifest(store, "w", 3)
+    e2, e3 = read_manifest(store, "w", 2)["tensors"]["m/2.weight"], m3["tensors"]["m/2.weight"]
+    assert e2["delta"] and e3["delta"] and e2["nbytes"] == e3["nbytes"] and e2["chunk"] != e3["chunk"]
+    m3["tensors"]["m/2.weight"] = {**e3, "chunk": e2["chunk"], "stored": e2["stored"]}
+    (store.root / "manifests" / "w" / f"{3:08d}.json").write_bytes(seal(m3))
+
+    with pytest.raises(CorruptSnapshot, match=r"tensor m/2.weight does not match its checksum"):
+        load(store, "w", 3)
+    assert bad_seqs(store, "w") == [3]
+    model = make_model(seed=5)
+    with Snapshotter(store, "w", level=0, on_event=events) as snap:
+        snap.register("m", model)
+        report = snap.restore_latest()
+    assert report is not None and report.seq == 2 and [s for s, _ in report.skipped] == [3]
+    assert_model_equal(model, expected[2])
 
 
 # -- 6. crash consistency -------------------------------------------------------------------------------------

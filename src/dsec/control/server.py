@@ -55,11 +55,21 @@ class ServerThread:
         ssl_keyfile: str | None = None,
     ) -> None:
         self.host = host
-        self.port = port or free_port(host)
+        # Without a port the server listens on a socket bound here to port 0 and handed to uvicorn: asking the OS
+        # for a free port, closing it and binding it again later lets another process take it in between.
+        self._sock: socket.socket | None = None
+        if not port:
+            self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            # As uvicorn's own bind does: a server started again on this port must not wait out TIME_WAIT.
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, 0))
+            port = int(self._sock.getsockname()[1])
+        self.port = port
         self.scheme = "https" if ssl_certfile else "http"
         tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile} if ssl_certfile else {}
         self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, **tls))
-        self._thread = threading.Thread(target=self.server.run, name="dsec-server", daemon=True)
+        run = {"sockets": [self._sock]} if self._sock is not None else {}
+        self._thread = threading.Thread(target=self.server.run, kwargs=run, name="dsec-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -76,6 +86,8 @@ class ServerThread:
     def close(self) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=30)
+        if self._sock is not None:
+            self._sock.close()
 
     def __enter__(self) -> ServerThread:
         return self

@@ -291,19 +291,27 @@ def _ppo_result(proc: Proc) -> dict[str, Any]:
         return {}
 
 
-def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
-    t = Table(title="DSec demo summary", show_header=False)
-    t.add_column(style="bold")
-    t.add_column()
+def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> tuple[Table, dict[str, Any]]:
+    """The summary table, and the same facts as data (``--summary-json``: what tests read, not the rendering)."""
+    table = Table(title="DSec demo summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    rows: dict[str, str] = {}
+
+    def add(key: str, value: str) -> None:
+        table.add_row(key, value)
+        if key and key not in scenes_ok:  # scenes and notes go into the data as such
+            rows[key] = value
+
     ws = run.client.workers()
     evs = run.client.all_events()
     st = run.client.status()
-    t.add_row("wall time", f"{elapsed:.1f} s")
-    t.add_row("workers", ", ".join(f"{c} {s}" for s, c in sorted(Counter(w["state"] for w in ws).items())))
-    t.add_row("heartbeats", str(st["heartbeats"]))
-    t.add_row("events", ", ".join(f"{ty}={n}" for ty, n in sorted(Counter(e["type"] for e in evs).items())))
+    add("wall time", f"{elapsed:.1f} s")
+    add("workers", ", ".join(f"{c} {s}" for s, c in sorted(Counter(w["state"] for w in ws).items())))
+    add("heartbeats", str(st["heartbeats"]))
+    add("events", ", ".join(f"{ty}={n}" for ty, n in sorted(Counter(e["type"] for e in evs).items())))
     learners = sorted((w for w in ws if w["role"] == "learner"), key=lambda w: w["rank"])
-    t.add_row(
+    add(
         "learner updates / env steps (probe)",
         ", ".join(
             f"rank {w['rank']}: {int(m.get('updates_total', 0))} / {int(m.get('env_steps_total', 0))}"
@@ -311,7 +319,7 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
             for m in (w["metrics"],)
         ),
     )
-    t.add_row(
+    add(
         "learner grad syncs, p99 sync ms",
         ", ".join(
             f"rank {w['rank']}: {int(w['metrics'].get('sync_ops_total', 0))}, "
@@ -321,29 +329,42 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> Table:
     )
     ppo = run.state.get("ppo", {})
     if ppo:
-        t.add_row(
+        add(
             "PPO (examples/ppo_cartpole_ddp.py)",
             f"average return {ppo.get('avg_return', float('nan')):.1f} after {ppo.get('env_steps')} env steps, "
             f"{ppo.get('updates')} updates, {ppo.get('seconds', 0):.1f} s"
             + (" — reached 475" if ppo.get("reached") else ""),
         )
     for key, value in snapshot_scenes.summary_rows(run):
-        t.add_row(key, value)
+        add(key, value)
     if "simulation" in run.state:
         for key, value in simulation_scene.summary_rows(run.state["simulation"]):
-            t.add_row(key, value)
+            add(key, value)
     metrics_text = run.state.get("metrics_text", "")
     for name in HEADLINE_METRICS:
         line = next((ln for ln in metrics_text.splitlines() if ln.startswith(f'{name}{{pool="{POOL}"}}')), None)
-        t.add_row(f"{name} (mid-run)", line.split(" ", 1)[1] if line else "missing")
+        add(f"{name} (mid-run)", line.split(" ", 1)[1] if line else "missing")
     for title, ok in scenes_ok.items():
-        t.add_row(title, "[green]ok" if ok else "[red]FAILED")
+        add(title, "[green]ok" if ok else "[red]FAILED")
     for note in run.notes:
-        t.add_row("", note)
-    return t
+        add("", note)
+    data = {
+        "scenes": scenes_ok,
+        "rows": rows,
+        "notes": list(run.notes),
+        "workers": dict(Counter(w["state"] for w in ws)),
+        "events": dict(Counter(e["type"] for e in evs)),
+    }
+    return table, data
 
 
-def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_home: bool = False) -> int:
+def run_demo(
+    console: Console,
+    workers: int = 2,
+    duration_s: float = 75.0,
+    keep_home: bool = False,
+    summary_json: Path | None = None,
+) -> int:
     home = Path(tempfile.mkdtemp(prefix="dsec-demo-"))
     start = time.time()
     console.rule("[bold]DSec demo")
@@ -473,8 +494,11 @@ def run_demo(console: Console, workers: int = 2, duration_s: float = 75.0, keep_
                 simulation_scene.ran(run.state["simulation"])
             )
             console.print(pools_table(client.status()))
-            console.print(_summary(run, scenes_ok, time.time() - start))
+            table, data = _summary(run, scenes_ok, time.time() - start)
+            console.print(table)
             code = 0 if all(scenes_ok.values()) else 1
+            if summary_json is not None:
+                summary_json.write_text(json.dumps({"exit_code": code, **data}, indent=1))
             if not learners_ok:
                 for p in procs:
                     console.print(f"[dim]--- {p.name} log (tail) ---\n{p.log.read_text()[-2000:]}")

@@ -157,6 +157,7 @@ class Supervisor:
         self.runs: dict[str, str] = {}  # healing group -> its current healing run
         self._live: dict[str, set[str]] = {}  # group -> workers started and not exited
         self._unmovable: dict[str, list[str]] = {}  # group -> degraded devices it could not be moved off
+        self._restarted: set[str] = set()  # groups restarted during the current step
         self._last_poll = time.time()
         self._last_device_check = 0.0
 
@@ -242,8 +243,12 @@ class Supervisor:
         """One supervision pass (never blocks beyond stopping a failed group)."""
         now = time.time()
         previous, self._last_poll = self._last_poll, now
+        self._restarted = set()
         for e in self.launcher.poll():
-            self._on_exit(e, previous)
+            # Exits polled together come from the incarnation that ran before this poll: once one of them restarted
+            # the group, the others (ranks that died with it) are not failures of the restarted group.
+            if e.group not in self._restarted:
+                self._on_exit(e, previous)
         if self._healing:
             self._check_healed()
         if self.client is not None:
@@ -377,6 +382,7 @@ class Supervisor:
         self, group: str, worker: str, code: int | None, reason: str, detected_at: float, detect_s: float
     ) -> None:
         rec = Recovery(group, worker, code, reason, detected_at, detect_s)
+        self._restarted.add(group)
         self.launcher.stop_group(group)
         self._live.pop(group, None)
         rec.stopped_at = time.time()

@@ -131,6 +131,36 @@ def test_429_honours_retry_after_capped_by_max_backoff(receiver: Receiver, note:
     assert [r.status for r in receiver.requests] == [429, 200]
 
 
+class RecordedWaits(threading.Event):
+    """The sink's close event with every backoff wait it asks for recorded; a wait longer than ``clip_s`` is cut
+    short, so a sink that ignores its cap fails the assertion instead of sleeping for an hour."""
+
+    def __init__(self, clip_s: float = 2.0) -> None:
+        super().__init__()
+        self.clip_s = clip_s
+        self.waits: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None
+        self.waits.append(timeout)
+        return super().wait(min(timeout, self.clip_s))
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_a_huge_retry_after_is_capped_by_max_backoff(receiver: Receiver, note: Notification, status: int) -> None:
+    receiver.script = [(status, {"Retry-After": "3600"}), (status, {"Retry-After": "86400"})]
+    sink = make_sink(receiver.url, backoff_s=0.01, max_backoff_s=0.05)
+    sink._closed = waits = RecordedWaits()
+    try:
+        sink.deliver(note)
+    finally:
+        sink.close()
+    assert [r.status for r in receiver.requests] == [status, status, 200]
+    # The receiver asked for an hour and a day: the sink waits its cap (the Retry-After still lifts the backoff
+    # of 0.01-0.02 s up to it).
+    assert waits.waits == [pytest.approx(0.05), pytest.approx(0.05)]
+
+
 def test_gives_up_after_the_retries(receiver: Receiver, note: Notification) -> None:
     receiver.script = [(500, {})] * 5
     sink = make_sink(receiver.url, retries=2)

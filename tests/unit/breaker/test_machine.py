@@ -90,6 +90,21 @@ def test_constant_signal_at_the_cap_never_moves_the_breaker() -> None:
     assert drive(lambda i: 85.0, beats=300).transitions == []
 
 
+def test_samples_at_the_cap_do_not_count_as_exceeding_it() -> None:
+    # Only the newest sample is strictly over: one of four exceeds the cap, below overload_fraction.
+    # With ">=" the three samples sitting exactly at 85 would count and the worker would escalate.
+    run = drive(lambda i: [85.0, 85.0, 85.0, 90.0][i], beats=4)
+    assert run.transitions == []
+    assert run.breaker.level == 0
+
+
+def test_exactly_overload_fraction_of_the_window_escalates() -> None:
+    # Three of four strictly over (0.75 * 4 == 3): the fraction is a ">=" boundary, inclusive.
+    run = drive(lambda i: [20.0, 90.0, 90.0, 90.0][i], beats=4)
+    assert [t.action for _, t in run.transitions] == [Action.ESCALATE]
+    assert run.transitions[0][1].evidence["over"]["latency_ms"]["exceeding"] == 3
+
+
 def test_recovery_steps_down_one_level_at_a_time_and_closes() -> None:
     run = drive(lambda i: 200.0 if i < 40 else 10.0, beats=400)
     assert run.breaker.level == 0 and run.breaker.phase is Phase.CLOSED

@@ -1,0 +1,161 @@
+"""The supervisor's limits, on a scripted launcher and a virtual clock: a group that keeps failing is given up after
+``max_restarts`` with a reason that says so, and a restart whose restores are never reported is closed after
+``resume_timeout_s``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from dsec.launch import supervisor as supervisor_module
+from dsec.launch.base import Exit, WorkerLaunch
+from dsec.launch.jobfile import JobFile
+from dsec.launch.supervisor import Supervisor
+
+
+class Clock:
+    """Stands in for the supervisor module's ``time``: every reading is the virtual now; sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+@dataclass
+class Launcher:
+    """Starts nothing: ``exit_code(launch, incarnation)`` says how each started worker ends (None: still running);
+    the next poll reports those exits, all in one batch, as a real launcher's poll does."""
+
+    exit_code: Callable[[WorkerLaunch, int], int | None]
+    clock: Clock
+    name: str = "scripted"
+    starts: list[list[WorkerLaunch]] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)
+    _due: list[Exit] = field(default_factory=list)
+
+    def start(self, workers: list[WorkerLaunch]) -> None:
+        incarnation = len(self.starts)
+        self.starts.append(list(workers))
+        for w in workers:
+            code = self.exit_code(w, incarnation)
+            if code is not None:
+                self._due.append(Exit(w.worker, w.group, code, self.clock.now))
+
+    def poll(self) -> list[Exit]:
+        out, self._due = self._due, []
+        return out
+
+    def stop_group(self, group: str) -> None:
+        self.stopped.append(group)
+        self._due = [e for e in self._due if e.group != group]
+
+    def stop(self) -> None:
+        pass
+
+
+class ControlPlane:
+    """The admin client the supervisor asks for restore events; none are ever reported."""
+
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, dict[str, Any]]] = []
+
+    def all_events(self, **_: Any) -> list[dict[str, Any]]:
+        return []
+
+    def workers(self, **_: Any) -> list[dict[str, Any]]:
+        return []
+
+    def devices(self) -> list[dict[str, Any]]:
+        return []
+
+    def place(self, job: dict[str, Any]) -> dict[str, Any]:
+        workers = [w for g in job["groups"] for w in g["workers"]]
+        return {"complete": True, "unplaced": [], "assignments": [
+            {"worker": w["name"], "device": f"gpu{i}", "node": "n0", "cpus": []} for i, w in enumerate(workers)
+        ]}  # fmt: skip
+
+    def record_event(self, etype: str, data: dict[str, Any], pool: str | None = None) -> None:
+        self.recorded.append((etype, data))
+
+
+def job(world_size: int = 2, **restart: Any) -> JobFile:
+    return JobFile.model_validate(
+        {
+            "job": "j",
+            "pool": "pool-a",
+            "snapshots": {"enabled": False},
+            "restart": restart,
+            "groups": [{"name": "g", "world_size": world_size, "command": ["train"]}],
+        }
+    )
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(supervisor_module, "time", c)
+    return c
+
+
+def test_a_group_failing_every_time_is_given_up_after_max_restarts(clock: Clock) -> None:
+    # Rank 0 of every incarnation crashes; rank 1 runs on.
+    launcher = Launcher(lambda w, _: 1 if w.rank == 0 else None, clock)
+    sup = Supervisor(job(max_restarts=2), launcher, poll_s=0.05)
+    sup.start()
+    assert sup.run(timeout_s=30) is False
+    assert sup.failed == {"g": "g-0 exited with 1; 2 restarts already"}
+    assert sup.restarts == {"g": 2}
+    assert len(launcher.starts) == 3  # the first start and two restarts, then nothing more
+    assert ["DSEC_RESTORE" in w.env for start in launcher.starts for w in start] == [False] * 2 + [True] * 4
+    assert launcher.stopped == ["g"] * 3  # the last failure still stops the rest of the group
+    assert [(r.reason, r.code) for r in sup.recoveries] == [("exit", 1)] * 2
+
+
+def test_max_restarts_zero_gives_up_on_the_first_failure(clock: Clock) -> None:
+    launcher = Launcher(lambda w, _: 3 if w.rank == 1 else None, clock)
+    sup = Supervisor(job(max_restarts=0), launcher)
+    sup.start()
+    assert sup.run(timeout_s=30) is False
+    assert sup.failed == {"g": "g-1 exited with 3; 0 restarts already"}
+    assert len(launcher.starts) == 1 and sup.recoveries == []
+
+
+def test_ranks_crashing_together_cost_one_restart(clock: Clock) -> None:
+    # Both ranks of the first incarnation die in the same poll (a group crashes as a whole, e.g. a collective
+    # error); the restarted group finishes. One failure, one restart: the second exit is the same incarnation's.
+    launcher = Launcher(lambda w, n: 1 if n == 0 else 0, clock)
+    sup = Supervisor(job(max_restarts=1), launcher)
+    sup.start()
+    assert sup.run(timeout_s=30) is True
+    assert sup.failed == {} and sup.restarts == {"g": 1}
+    assert len(launcher.starts) == 2
+
+
+def test_restores_never_reported_close_the_recovery_after_resume_timeout(clock: Clock) -> None:
+    cp = ControlPlane()
+    launcher = Launcher(lambda w, n: 1 if (n, w.rank) == (0, 0) else None, clock)
+    sup = Supervisor(job(max_restarts=3, resume_timeout_s=30), launcher, client=cp, device_check_s=1e9)
+    sup.start()
+    sup.step()  # rank 0 exits: the group restarts and waits for its ranks' restore events
+    assert len(launcher.starts) == 2 and sup.recoveries == []
+    clock.now += 29.0
+    sup.step()
+    assert sup.recoveries == [] and not sup.finished()  # still waiting
+    clock.now += 2.0
+    sup.step()
+    [rec] = sup.recoveries
+    timings = rec.timings()
+    assert rec.resumed_at is None and "total_s" not in timings  # closed unresumed, not timed as a recovery
+    assert cp.recorded == [("recovery", {"job": "j", **timings})]
+    assert sup.failed == {} and sup.restarts == {"g": 1}
