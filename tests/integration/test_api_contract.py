@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import schemathesis
-from conftest import Harness, make_settings
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
 
+from conftest import Harness, make_settings
 from dsec.client import Client
 from dsec.control.app import create_app
 from dsec.control.schemas import NAME_PATTERN

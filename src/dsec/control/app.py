@@ -12,8 +12,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -489,7 +489,8 @@ def _contract_openapi(app: FastAPI, *models: type[BaseModel]) -> None:
         if app.openapi_schema is None:
             schema = original()
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (*models, ErrorBody):
+            every: tuple[type[BaseModel], ...] = (*models, ErrorBody)
+            for model in every:
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(defs.pop("$defs", {}))
                 components[model.__name__] = defs

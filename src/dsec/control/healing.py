@@ -79,7 +79,9 @@ class JoinBody(_Body):
     address: str = Field(..., pattern=ADDRESS_PATTERN)
     completed: Int = Field(0, ge=0, le=2**53)  # bounded: they are stored in event data (JSON, 64-bit at most)
     epoch: Int = Field(0, ge=0, le=2**53)
-    view: list[Int] = Field(default_factory=list, max_length=MAX_WORLD)
+    view: list[Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD), BeforeValidator(json_integer)]] = Field(
+        default_factory=list, max_length=MAX_WORLD
+    )
     replacement: bool = False
     device: str | None = Field(None, max_length=128)
     pending: str | None = Field(None, max_length=200)

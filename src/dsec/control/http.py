@@ -105,7 +105,12 @@ async def store_error_handler(_request: Request, exc: Exception) -> Response:
     """A store that fails under a route (a read the writer does not guard): the documented 503, not a 500. The
     store's error names hosts, paths and SQL: it goes to the log, not to the caller."""
     log.error("state store error under a request: %s", exc)
-    body = {"error": "unavailable", "message": "state store unavailable, retry later", "field": None, "details": []}
+    body: dict[str, Any] = {
+        "error": "unavailable",
+        "message": "state store unavailable, retry later",
+        "field": None,
+        "details": [],
+    }
     return JSON(body, status_code=503)
 
 

@@ -25,12 +25,13 @@ from dsec.model import (
 )
 
 
-
 def json_integer(value: Any) -> Any:
     """JSON Schema's integer: a number with no fractional part (``3.0`` included), never a boolean. Integral floats
     become ints here; the strict int validation after it refuses everything else (strings, ``3.5``)."""
     if isinstance(value, bool):
         raise ValueError("Input should be a valid integer, not a boolean")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("Input should be a finite number")
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
@@ -217,9 +218,13 @@ class HeartbeatRequest(Strict):
         return v
 
 
-def _omitted(schema: dict[str, Any]) -> None:
-    """A field that may be omitted but not null: its Python default (None) is no JSON default."""
+def _not_nullable(schema: dict[str, Any]) -> None:
+    """The schema of a field that may be omitted but not null: ``X | None`` in Python (None is "omitted"), ``X`` on
+    the wire, without a default (a null sent is refused by ``_not_null``)."""
     schema.pop("default", None)
+    branches = [b for b in schema.pop("anyOf", []) if b.get("type") != "null"]
+    if branches:
+        schema.update(branches[0])
 
 
 class DirectivePatch(Strict):
@@ -235,17 +240,19 @@ class DirectivePatch(Strict):
     )
 
     compression_bits: Literal[32, 16, 8, 4] | None = None
-    # The NOT_NULL fields are typed without None: None is only their unvalidated default, "omitted" (a null sent is
-    # refused by _not_null), and _omitted keeps that default out of the schema.
-    grad_accum_steps: Int = Field(None, ge=1, le=1024, json_schema_extra=_omitted)
-    async_sampling: Bool = Field(None, json_schema_extra=_omitted)
+    grad_accum_steps: Annotated[int, Field(strict=True, ge=1, le=1024), BeforeValidator(json_integer)] | None = Field(
+        None, json_schema_extra=_not_nullable
+    )
+    async_sampling: Bool | None = Field(None, json_schema_extra=_not_nullable)
     memory_quota_gb: MemoryGB | None = None
     memory_ceiling_gb: MemoryGB | None = Field(None, description=">= memory_quota_gb once the patch is applied")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(None, json_schema_extra=_omitted)
+    precision: Literal["fp32", "bf16", "fp16"] | None = Field(None, json_schema_extra=_not_nullable)
     snapshot_interval_s: Float | None = Field(None, ge=1, le=86400)
     snapshot_now: str | None = Field(None, max_length=128)
     snapshot_compression_level: SnapshotLevel | None = None
-    sync_priority: Int = Field(None, ge=-10, le=10, json_schema_extra=_omitted)
+    sync_priority: Annotated[int, Field(strict=True, ge=-10, le=10), BeforeValidator(json_integer)] | None = Field(
+        None, json_schema_extra=_not_nullable
+    )
     target_device: Name | None = None
     # Per-worker breaker caps; null returns the worker to its pool's thresholds.
     bandwidth_cap_mbps: Float | None = Field(None, gt=0, le=1e7)
