@@ -17,6 +17,7 @@ examples and a random seed, is marked slow (``make test-slow``).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -202,3 +203,62 @@ def test_openapi_contract(contract_server: Harness, who: str) -> None:
 def test_openapi_contract_deep(contract_server: Harness, who: str) -> None:
     token = contract_server.admin_token if who == "admin" else None
     _assert_conforms(contract_server, token, max_examples=100, seed=None)
+
+
+# -- the failures the first run found, pinned ----------------------------------------------------------------------
+def test_out_of_range_cursor_is_422_naming_it(contract_server: Harness) -> None:
+    with contract_server.http() as http:
+        r = http.get("/v1/events", params={"cursor": 2**64}, headers=_admin(contract_server))
+    assert r.status_code == 422 and r.json()["field"] == "cursor", r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/devices/d0", {"id": "d0", "node": "n0", "numa_node": False}, "numa_node"),
+        ("/v1/pools/p0", {"gpu_quota": True}, "gpu_quota"),
+        ("/v1/pools/p0", {"memory_base_gb": "7"}, "memory_base_gb"),
+        ("/v1/pools/p0", {"memory_base_gb": 20}, "memory_ceiling_gb"),  # above the default ceiling (12)
+        ("/v1/devices/d0", {"id": "d1", "node": "n0"}, "id"),
+    ],
+)
+def test_wrong_json_types_and_cross_field_rules_are_422_naming_the_field(
+    contract_server: Harness, path: str, body: dict[str, Any], field: str
+) -> None:
+    with contract_server.http() as http:
+        r = http.put(path, json=body, headers=_admin(contract_server))
+    assert r.status_code == 422 and r.json()["field"] == field, r.text
+
+
+def test_integral_floats_are_integers(contract_server: Harness) -> None:
+    """JSON Schema's integer includes 3.0: what the document calls valid is accepted."""
+    with contract_server.http() as http:
+        r = http.put(
+            "/v1/devices/d2", json={"id": "d2", "node": "n0", "numa_node": 1.0}, headers=_admin(contract_server)
+        )
+    assert r.status_code == 200 and r.json()["numa_node"] == 1, r.text
+
+
+def test_405_lists_every_method_of_the_path(contract_server: Harness) -> None:
+    with contract_server.http() as http:
+        r = http.request("PATCH", "/v1/pools/pool-0", headers=_admin(contract_server))
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+    assert {m.strip() for m in r.headers["allow"].split(",")} >= {"GET", "PUT", "DELETE"}
+
+
+def test_document_has_only_json_schema_keywords_and_error_bodies(contract_server: Harness) -> None:
+    """Bounds pydantic could not translate (raw ge/le) would be ignored by every client and fuzzer; every error
+    status carries the error body."""
+    with contract_server.http() as http:
+        doc = http.get("/openapi.json").json()
+    assert not re.findall(r'"(ge|le|gt|lt)": ', json.dumps(doc))
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            for status, answer in op["responses"].items():
+                if status.startswith("4") or (status == "503" and path.startswith("/v1/")):
+                    schema = answer["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+
+
+def _admin(h: Harness) -> dict[str, str]:
+    return {"Authorization": f"Bearer {h.admin_token}"}

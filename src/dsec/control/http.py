@@ -6,7 +6,9 @@ task and a stream copy, which matters at 10k heartbeats/s.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -16,7 +18,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.routing import Match
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsec.control.errors import ApiError
@@ -79,8 +81,10 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
         status, detail = 422, "request body could not be parsed (it must be UTF-8 JSON)"
     elif status == 405:
         # Starlette's Allow names the methods of the one route it matched; a path served by several routes (GET and
-        # PUT /v1/pools/{name}) must list them all (RFC 9110 section 15.5.6).
-        headers["Allow"] = ", ".join(allowed_methods(request.app.router.routes, request.scope))
+        # PUT /v1/pools/{name}) must list them all (RFC 9110 section 15.5.6): those the OpenAPI document gives it.
+        allowed = allowed_methods(request.app.openapi(), request.url.path)
+        if allowed:
+            headers["Allow"] = ", ".join(allowed)
     codes = {404: "not_found", 405: "method_not_allowed", 422: "invalid"}
     body: dict[str, Any] = {
         "error": codes.get(status, "http_error"),
@@ -91,14 +95,23 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
     return JSON(body, status_code=status, headers=headers or None)
 
 
-def allowed_methods(routes: Sequence[Any], scope: Scope) -> list[str]:
-    """Every method some route serves at the scope's path (a route that matches all but the method is PARTIAL)."""
-    methods: set[str] = set()
-    for route in routes:
-        match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            methods.update(getattr(route, "methods", None) or ())
-    return sorted(methods)
+def allowed_methods(openapi: dict[str, Any], path: str) -> list[str]:
+    """The methods the document lists for the path templates ``path`` matches. From the document, not the router:
+    FastAPI's included routers are internal structures, and the document is the contract the header states."""
+    matching = [(t, ops) for t, ops in openapi.get("paths", {}).items() if _template_regex(t).match(path)]
+    if not matching:
+        return []
+    # The most specific templates name the resource: /v1/workers/register, not /v1/workers/{worker_id}.
+    fewest = min(t.count("{") for t, _ in matching)
+    return sorted({m.upper() for t, ops in matching if t.count("{") == fewest for m in ops if m in _HTTP_METHODS})
+
+
+_HTTP_METHODS = frozenset({"get", "put", "post", "delete", "patch", "head", "options", "trace"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _template_regex(template: str) -> re.Pattern[str]:
+    return compile_path(template)[0]
 
 
 async def store_error_handler(_request: Request, exc: Exception) -> Response:
