@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import schemathesis
+from fastapi import FastAPI
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
 
@@ -34,6 +35,7 @@ from dsec.client import Client
 from dsec.control.app import create_app
 from dsec.control.schemas import NAME_PATTERN
 from dsec.control.server import ServerThread
+from dsec.control.store import StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = next(p for p in (ROOT / "src/dsec/data/cluster.yaml", ROOT / "examples/cluster.yaml") if p.exists())
@@ -42,9 +44,7 @@ FAST_SEED = 20260
 
 # -- the server ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def contract_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
-    """One server for the module: its state after a run (pools, tokens, runtimes made by the fuzzer) is fine for
-    the next, since every run must pass against whatever the previous ones left."""
+def contract_app(tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
     # Private literal callback hosts are refused per setting (the field's description says so): allowed here, so a
     # generated "http://0/" is valid. Healing long-polls are cut short so a waiting join answers 202 at once.
     settings = make_settings(
@@ -56,7 +56,15 @@ def contract_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harnes
     )
     app = create_app(settings)
     app.state.heal.poll_s = 0.05
-    server = ServerThread(app)
+    return app
+
+
+@pytest.fixture(scope="module")
+def contract_server(contract_app: FastAPI) -> Iterator[Harness]:
+    """One server for the module: its state after a run (pools, tokens, runtimes made by the fuzzer) is fine for
+    the next, since every run must pass against whatever the previous ones left."""
+    settings = contract_app.state.settings
+    server = ServerThread(contract_app)
     h = Harness(settings=settings, server=server, admin=Client(server.url, token=settings.admin_token))
     try:
         yield h
@@ -258,6 +266,19 @@ def test_document_has_only_json_schema_keywords_and_error_bodies(contract_server
                 if status.startswith("4") or (status == "503" and path.startswith("/v1/")):
                     schema = answer["content"]["application/json"]["schema"]
                     assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
+
+
+def test_a_failing_store_read_is_the_documented_503(
+    contract_app: FastAPI, contract_server: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def down(*_args: Any) -> None:
+        raise StoreError("connection refused by db.internal:5432")
+
+    monkeypatch.setattr(contract_app.state.cp.store, "query_events", down)
+    with contract_server.http() as http:
+        r = http.get("/v1/events", headers=_admin(contract_server))
+    assert r.status_code == 503 and r.json()["error"] == "unavailable"
+    assert "db.internal" not in r.text  # the store's error goes to the log, not to the caller
 
 
 def _admin(h: Harness) -> dict[str, str]:
