@@ -155,6 +155,13 @@ def _check_json_value(value: Any, depth: int = 0) -> None:
             _check_json_value(v, depth + 1)
 
 
+# What _event_data checks that JSON Schema cannot say of free-form data (the 422 names the field).
+EVENT_DATA_RULES = (
+    f"any JSON object nested at most {MAX_EVENT_DATA_DEPTH} levels, at most {MAX_EVENT_DATA_BYTES // 1024} KiB, "
+    "integers within 64 bits"
+)
+
+
 def _event_data(v: dict[str, Any]) -> dict[str, Any]:
     _check_json_value(v)
     if len(repr(v)) > MAX_EVENT_DATA_BYTES:
@@ -174,7 +181,7 @@ WorkerEventType = Annotated[
 class EventIn(Strict):
     type: WorkerEventType
     ts: Float | None = Field(None, ge=0, description="worker clock (unix seconds); server time if absent")
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: dict[str, Any] = Field(default_factory=dict, description=EVENT_DATA_RULES)
 
     @field_validator("type")
     @classmethod
@@ -339,7 +346,7 @@ class EventRecord(Strict):
     type: Literal["recovery", "log"]
     pool: Name | None = None
     worker_id: str | None = Field(None, max_length=64)
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: dict[str, Any] = Field(default_factory=dict, description=EVENT_DATA_RULES)
 
     @field_validator("data")
     @classmethod
@@ -405,7 +412,13 @@ class PolicyPush(BaseModel):
             "propertyNames": {"maxLength": 64},
         },
     )
-    policy: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    policy: str = Field(
+        ...,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="the policy's name; every other field is a parameter (integers within 64 bits)",
+    )
 
     @model_validator(mode="after")
     def _params(self) -> PolicyPush:
