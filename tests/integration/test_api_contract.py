@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import schemathesis
+import schemathesis_hooks  # noqa: F401  (registers the hooks: what JSON Schema cannot say)
 from fastapi import FastAPI
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import events, from_schema
@@ -34,7 +35,6 @@ from schemathesis.engine import events, from_schema
 from conftest import Harness, make_settings
 from dsec.client import Client
 from dsec.control.app import create_app
-from dsec.control.schemas import NAME_PATTERN
 from dsec.control.server import ServerThread
 from dsec.control.store import StoreError
 
@@ -73,82 +73,6 @@ def contract_server(contract_app: FastAPI) -> Iterator[Harness]:
         h.close()
 
 
-# -- hooks: what JSON Schema cannot say ----------------------------------------------------------------------------
-def _name(value: Any) -> bool:
-    return isinstance(value, str) and re.fullmatch(NAME_PATTERN, value) is not None
-
-
-def _number(value: Any, lo: float, hi: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
-
-
-def _route(case: Any) -> tuple[str, str]:
-    return case.operation.method.upper(), case.operation.path
-
-
-def _big_int(value: Any) -> bool:
-    if isinstance(value, dict):
-        return any(_big_int(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_big_int(v) for v in value)
-    return isinstance(value, int) and not -(2**63) <= value < 2**64
-
-
-def _violates_cross_field_rule(case: Any) -> bool:
-    """A case whose fields are each valid but together break a rule the descriptions state (the server's 422)."""
-    body = case.body if isinstance(case.body, dict) else {}
-    method, path = _route(case)
-    if _big_int(body):  # free-form event data and policy parameters: integers within 64 bits
-        return True
-    if (method, path) == ("PUT", "/v1/pools/{name}"):
-        base, ceiling = body.get("memory_base_gb", 7.0), body.get("memory_ceiling_gb", 12.0)
-        return _number(base, 0, 4096) and _number(ceiling, 0, 4096) and ceiling < base
-    if method == "POST" and path in ("/v1/heal/{run}/join", "/v1/heal/{run}/fail"):
-        world = body.get("world")
-        ranks = [body.get(k) for k in ("rank", "dead_rank")]
-        return _number(world, 1, 65536) and any(_number(r, 0, 65535) and r >= world for r in ranks)
-    return False
-
-
-def filter_case(_ctx: Any, case: Any) -> bool:
-    return not _violates_cross_field_rule(case)
-
-
-def _unique_names(items: list[Any], seen: set[str]) -> None:
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and _name(item.get("name")) and item["name"] in seen:
-            item["name"] = f"{item['name'][:100]}-{i}-{len(seen)}"
-        if isinstance(item, dict) and _name(item.get("name")):
-            seen.add(item["name"])
-
-
-def map_case(_ctx: Any, case: Any) -> Any:
-    """Make valid values agree where the schema cannot say they must; invalid values are left as generated."""
-    method, path = _route(case)
-    body = case.body
-    if (method, path) == ("PUT", "/v1/devices/{device_id}") and isinstance(body, dict):
-        device_id = (case.path_parameters or {}).get("device_id")
-        if _name(body.get("id")) and _name(device_id):
-            body["id"] = device_id
-    elif (method, path) == ("POST", "/v1/placements") and isinstance(body, dict):
-        groups = body.get("groups")
-        if isinstance(groups, list):
-            _unique_names(groups, set())
-            workers: set[str] = set()
-            for g in groups:
-                if isinstance(g, dict) and isinstance(g.get("workers"), list):
-                    _unique_names(g["workers"], workers)
-    elif path == "/v1/heal/{run}/watch" and isinstance(case.query, dict):
-        # A valid timeout (up to 60 s) would hold the run that long: the shortest valid one instead.
-        timeout = case.query.get("timeout")
-        try:
-            if 0 <= float(timeout) <= 60:
-                case.query["timeout"] = 0.01
-        except (TypeError, ValueError):
-            pass
-    return case
-
-
 # -- the run -------------------------------------------------------------------------------------------------------
 def _config(token: str | None, max_examples: int, seed: int | None) -> SchemathesisConfig:
     data: dict[str, Any] = {
@@ -181,8 +105,6 @@ def _config(token: str | None, max_examples: int, seed: int | None) -> Schemathe
 def run_contract(url: str, token: str | None, max_examples: int, seed: int | None) -> tuple[list[str], int]:
     """(problems, scenarios run): every failed check and every engine error, each with a curl to reproduce it."""
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json", config=_config(token, max_examples, seed))
-    schema.hook(filter_case)
-    schema.hook(map_case)
     problems: list[str] = []
     scenarios = 0
     for event in from_schema(schema).execute():
