@@ -368,7 +368,10 @@ _IPV6 = "|".join(
 _PORT = "(?:[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 # What egress.check_callback_url parses (urlsplit): a host name or IPv4, or a bracketed IPv6; no user-info; no
 # fragment. Whether a literal address is private depends on the settings: the field's description says so.
-CALLBACK_URL_PATTERN = rf"^https?://(?:[A-Za-z0-9._~-]+|\[(?:{_IPV6})\])(?::{_PORT})?(?:[/?][^\s#]*)?$"
+# Path and query: visible ASCII but '#' (a URL is ASCII, RFC 3986; non-ASCII is percent-encoded). Not \S: what counts
+# as whitespace differs between ECMA regexes (the schema's readers) and pydantic's (U+0085, for one).
+_PATH = '(?:[/?][!-"$-~]*)?'
+CALLBACK_URL_PATTERN = rf"^https?://(?:[A-Za-z0-9._~-]+|\[(?:{_IPV6})\])(?::{_PORT})?{_PATH}$"
 
 
 class RuntimeRegister(Strict):
