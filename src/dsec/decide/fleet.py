@@ -73,9 +73,9 @@ def judge_pool(
             verdict.events.append(Event(ts=now, type=EventType.ANOMALY, worker_id=w.id, pool=w.pool, data=data))
         verdict.flags[w.id] = set(now_flags)
     if pool is not None:
-        verdict.slow_pool, alert = _pool_slowdown(pool, workers, was_slow, config, now)
-        verdict.events += alert
         costs = [sample_from(w.metrics, now).latency_ms for w in workers]
+        verdict.slow_pool, alert = _pool_slowdown(pool, costs, was_slow, config, now)
+        verdict.events += alert
         verdict.latency_floor_ms = safe_latency_floor(costs, pool.thresholds.latency_cap_ms, config.min_peers, margin)
     return verdict
 
@@ -98,11 +98,10 @@ def _outlier_events(w: WorkerView, o: Outlier, peers: int, now: float) -> list[E
 
 
 def _pool_slowdown(
-    pool: Pool, workers: Sequence[WorkerView], was_slow: bool, config: FleetConfig, now: float
+    pool: Pool, costs: Sequence[float | None], was_slow: bool, config: FleetConfig, now: float
 ) -> tuple[bool, list[Event]]:
     """Every peer over the latency cap at once is the pool's network or backend, not one bad worker: one
     pool-level alert (and the cap in force is lifted above the pool's median: ``safe_latency_floor``)."""
-    costs = [sample_from(w.metrics, now).latency_ms for w in workers]
     values = sorted(c for c in costs if c is not None)
     cap = pool.thresholds.latency_cap_ms
     slow = len(values) >= config.min_peers and values[len(values) // 2] > cap

@@ -10,7 +10,7 @@ force from the next sample on, its ack arrives with the sample after. It never r
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -303,12 +303,12 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
                 self.closed[w] = False
                 self._apply_fields(w, move.patch)
 
-    def _apply_fields(self, w: int, fields: dict[str, object]) -> None:
+    def _apply_fields(self, w: int, fields: dict[str, Any]) -> None:
         """A directive's effect on the simulated worker: bytes per sync, steps per sync, sampling."""
         sim = self.sim
-        bits = fields.get("compression_bits")
-        sim.bits_frac[w] = 1.0 if bits is None or int(str(bits)) >= 32 else int(str(bits)) / 32.0
-        sim.accum[w] = float(str(fields["grad_accum_steps"]))
+        bits = fields.get("compression_bits")  # None: the probe's default, uncompressed here
+        sim.bits_frac[w] = 1.0 if bits is None or bits >= 32 else bits / 32.0
+        sim.accum[w] = float(fields["grad_accum_steps"])
         sim.paused[w] = not fields["async_sampling"]
 
     # -- policies: dsec.policy.Engine over the pool gauges -------------------------------------------------------------
