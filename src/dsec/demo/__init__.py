@@ -478,9 +478,8 @@ def run_demo(
             )
             run.state["ppo"] = _ppo_result(procs[0])
             keeps_learning = snapshot_scenes.keeps_learning(run, run.state["ppo"], result["ppo"])
-            scenes_ok["restart from snapshots: each learner restored (verified), PPO return does not collapse"] = (
-                snapshot_scenes.restored(run) and keeps_learning
-            )
+            restore_title = "restart from snapshots: learners restored (verified), PPO resumes from its trained policy"
+            scenes_ok[restore_title] = snapshot_scenes.restored(run) and keeps_learning
             scenes_ok["healing: a rank killed -9 -> replaced in place, its peer never stopped, replicas identical"] = (
                 recovery_phase.recovered(run, result)
             )
