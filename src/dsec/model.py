@@ -244,8 +244,12 @@ class DirectiveFields:
     compression_bits: int | None = None
     grad_accum_steps: int = 1
     async_sampling: bool = True
-    memory_quota_gb: float | None = None
+    memory_quota_gb: float | None = None  # the grant: memory reserved for this worker (dsec.quota.elastic)
     memory_ceiling_gb: float | None = None
+    # The allocator limit the probe enforces: the grant, or more where the card has memory nobody holds. The probe
+    # caps at max(memory_quota_gb, memory_limit_gb) (a grant raised since the limit was issued still holds);
+    # None: at memory_quota_gb (directives from before limits existed).
+    memory_limit_gb: float | None = None
     precision: str = "fp32"
     snapshot_interval_s: float | None = None
     snapshot_now: str | None = None  # request id; a new id asks for one more snapshot
@@ -277,7 +281,7 @@ class DirectiveFields:
         _check(1 <= self.grad_accum_steps <= 1024, "grad_accum_steps", self.grad_accum_steps, "1..1024")
         _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {list(PRECISIONS)}")
         _check(-10 <= self.sync_priority <= 10, "sync_priority", self.sync_priority, "-10..10")
-        for name in ("memory_quota_gb", "memory_ceiling_gb"):
+        for name in ("memory_quota_gb", "memory_ceiling_gb", "memory_limit_gb"):
             value = getattr(self, name)
             if value is not None:
                 _finite_nonneg(name, value, MAX_MEMORY_GB)

@@ -164,6 +164,9 @@ GRAD_ACCUM_STEPS = _m("grad_accum_steps", G, "1", "gradient accumulation in forc
 ASYNC_SAMPLING = _m("async_sampling", G, "bool", "1 while sampling is allowed, 0 while paused", PROBE, HERMES)
 PRECISION_BITS = _m("precision_bits", G, "bits", "autocast precision in force (32, 16)", PROBE)
 MEMORY_QUOTA_GB = _m("memory_quota_gb", G, "GB", "memory quota in force (only when one is set)", PROBE)
+MEMORY_LIMIT_GB = _m(
+    "memory_limit_gb", G, "GB", "allocator limit in force: the quota, or more where the card has room", PROBE
+)
 REPLICA_CHECKS_TOTAL = _m("replica_checks_total", C, "1", "replica agreement checks made", PROBE)
 REPLICA_DRIFT_TOTAL = _m("replica_drift_total", C, "1", "checks that found drifted replicas", PROBE)
 REPLICA_DRIFT = _m("replica_drift", G, "bool", "1 while the latest check found drift", PROBE)

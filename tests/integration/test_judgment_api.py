@@ -405,14 +405,23 @@ def test_elastic_quotas_grow_in_steps_up_to_the_ceiling_while_capacity_allows(
     assert mem["used_gb"] == pytest.approx(3.8 + 1.9 + 1.9)
 
     # Every change was one 1 GB step, each with its own quota event; never above the ceiling.
-    quota_events = events_of(h, None, "quota")
+    # (Events that only move a worker's allocator limit carry from_gb == to_gb.)
+    all_quota_events = events_of(h, None, "quota")
+    quota_events = [e for e in all_quota_events if e["data"]["from_gb"] != e["data"]["to_gb"]]
     steps = [(e["worker_id"], e["data"]["from_gb"], e["data"]["to_gb"]) for e in quota_events]
     assert steps == [(a.id, 2.0, 3.0), (a.id, 3.0, 4.0)]
-    assert all(e["pool"] == "pool-q" and e["data"]["kind"] == "memory_quota" for e in quota_events)
+    assert all(e["pool"] == "pool-q" and e["data"]["kind"] == "memory_quota" for e in all_quota_events)
     assert quota_events[-1]["data"]["pool_memory"]["granted_gb"] == 6.0
-    directives = {w["id"]: w["directive"]["desired"]["memory_quota_gb"] for w in h.admin.workers(pool="pool-q")}
+    desired = {w["id"]: w["directive"]["desired"] for w in h.admin.workers(pool="pool-q")}
+    directives = {wid: d["memory_quota_gb"] for wid, d in desired.items()}
     assert directives == {a.id: 4.0, b.id: 2.0, c.id: 2.0}
     assert sum(directives.values()) <= 8.0
+    # Limits: each worker may take what the others do not hold (8 GB pool of two 4 GB devices: at most one device),
+    # never less than its grant; limits follow usage (hysteresis of one step), so allow a step of lag.
+    for w, used_by_others in ((a, 1.9 + 1.9), (b, 3.8 + 1.9), (c, 3.8 + 1.9)):
+        limit = desired[w.id]["memory_limit_gb"]
+        assert limit >= directives[w.id]
+        assert limit <= max(directives[w.id], min(4.0, 8.0 - used_by_others)) + 1.0 + 1e-9
 
 
 # -- g. fleet comparison -------------------------------------------------------------------------------

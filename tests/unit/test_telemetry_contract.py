@@ -265,7 +265,7 @@ def test_the_probe_writes_only_declared_names_and_every_name_declared_for_it() -
         t.record_skipped_update()
         t.record_env_steps(5)
         t.record_episode(float(i % 7), 5 + i % 3, terminated=True, truncated=False, interrupted=i % 9 == 0)
-    probe.actuators.handle({"version": 1, "memory_quota_gb": 4.0})
+    probe.actuators.handle({"version": 1, "memory_quota_gb": 4.0, "memory_limit_gb": 6.0})
     probe.replicas._judge({0: 1, 1: 1}, rank=0, syncs=10)  # one agreeing replica check
     produced: set[str] = set()
     try:

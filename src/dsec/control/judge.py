@@ -33,13 +33,14 @@ from dsec.decide import (
     caps_for,
     judge_beat,
     judge_pool,
+    observe_memory,
     plan_pool_quotas,
     precision_restore,
 )
 from dsec.health.fleet import FleetConfig
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool, WorkerState
-from dsec.quota import PoolMemory, QuotaConfig
+from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig
 
 if TYPE_CHECKING:
     from dsec.control.state import HotState, LiveWorker
@@ -86,6 +87,7 @@ class Judge:
         self.resume_levels: dict[str, int] = {}
         self._last_fleet = -math.inf
         self._last_quota = -math.inf
+        self.memory_trends: dict[str, MemoryTrend] = {}  # per active worker: ramp and recent peak, for the quotas
 
     # -- decision state --------------------------------------------------------------------------------
     def caps_for(self, w: LiveWorker) -> Caps:
@@ -235,11 +237,25 @@ class Judge:
         total = sum(self.state.devices[d].memory_gb for d in pool.devices if d in self.state.devices)
         return total or None
 
+    def pool_device_gb(self, pool: Pool) -> float | None:
+        """The largest device of ``pool`` (no allocator limit exceeds one device)."""
+        sizes = [self.state.devices[d].memory_gb for d in pool.devices if d in self.state.devices]
+        return max(sizes, default=0.0) or None
+
     def _quotas(self, now: float) -> list[Change]:
         by_pool = self._active_by_pool()
+        self.memory_trends = observe_memory(self.memory_trends, [w for ws in by_pool.values() for w in ws], now)
         changes: list[Change] = []
         for pool in self.state.pools.values():
-            v = plan_pool_quotas(pool, self.pool_capacity_gb(pool), by_pool.get(pool.name, []), self.config.quota, now)
+            v = plan_pool_quotas(
+                pool,
+                self.pool_capacity_gb(pool),
+                by_pool.get(pool.name, []),
+                self.config.quota,
+                now,
+                trends=self.memory_trends,
+                device_gb=self.pool_device_gb(pool),
+            )
             self.pool_memory[pool.name] = v.accounting
             changes += v.changes
         return changes

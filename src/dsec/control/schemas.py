@@ -192,6 +192,7 @@ class DirectivePatch(Strict):
     async_sampling: bool | None = None
     memory_quota_gb: MemoryGB | None = None
     memory_ceiling_gb: MemoryGB | None = None
+    memory_limit_gb: MemoryGB | None = None
     precision: Literal["fp32", "bf16", "fp16"] | None = None
     snapshot_interval_s: float | None = Field(None, ge=1, le=86400)
     snapshot_now: str | None = Field(None, max_length=128)

@@ -24,7 +24,7 @@ from dsec.decide.caps import caps_for, safe_latency_floor, sample_from
 from dsec.decide.devices import DegradeVerdict, degrade, occupancy
 from dsec.decide.fleet import FleetVerdict, judge_pool, judged_workers, slow_workers
 from dsec.decide.gauges import PoolGauges, WorkerGauges, policy_samples, pool_gauges_of, pool_recovery_s
-from dsec.decide.quotas import QuotaVerdict, plan_pool_quotas, precision_restore
+from dsec.decide.quotas import QuotaVerdict, observe_memory, plan_pool_quotas, precision_restore
 from dsec.decide.verdicts import SOURCE, Change, Verdict, alert_event
 from dsec.decide.views import WorkerView
 
@@ -47,6 +47,7 @@ __all__ = [
     "judge_beat",
     "judge_pool",
     "judged_workers",
+    "observe_memory",
     "occupancy",
     "plan_pool_quotas",
     "policy_samples",

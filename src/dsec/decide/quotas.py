@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dsec.decide.caps import finite
@@ -10,7 +10,7 @@ from dsec.decide.verdicts import Change
 from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool
-from dsec.quota import PoolMemory, QuotaConfig, WorkerMemory, plan
+from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig, WorkerMemory, plan
 
 
 @dataclass
@@ -19,33 +19,69 @@ class QuotaVerdict:
     changes: list[Change] = field(default_factory=list)
 
 
+def observe_memory(
+    trends: Mapping[str, MemoryTrend], workers: Sequence[WorkerView], now: float
+) -> dict[str, MemoryTrend]:
+    """Each reporting worker's memory trend after its latest ``memory_used_gb`` (the planner's ramp and recent
+    peak); workers that are gone are dropped."""
+    out: dict[str, MemoryTrend] = {}
+    for w in workers:
+        used = finite(w.metrics, "memory_used_gb")
+        old = trends.get(w.id)
+        if used is None:
+            if old is not None:
+                out[w.id] = old
+            continue
+        out[w.id] = MemoryTrend.first(used, now) if old is None else old.observe(used, now)
+    return out
+
+
 def plan_pool_quotas(
-    pool: Pool, capacity_gb: float | None, workers: Sequence[WorkerView], config: QuotaConfig, now: float
+    pool: Pool,
+    capacity_gb: float | None,
+    workers: Sequence[WorkerView],
+    config: QuotaConfig,
+    now: float,
+    trends: Mapping[str, MemoryTrend] | None = None,
+    device_gb: float | None = None,
 ) -> QuotaVerdict:
-    """Grow/reclaim the memory quotas of ``pool``'s active ``workers`` within ``capacity_gb`` (the memory of the
-    devices they share); one ``quota`` event per change, with the pool's accounting after it."""
-    members = [
-        WorkerMemory(
-            w.id,
-            finite(w.metrics, "memory_used_gb"),
-            w.fields.memory_quota_gb or pool.memory_base_gb,
-            w.fields.memory_ceiling_gb,
+    """Grow/reclaim the memory grants of ``pool``'s active ``workers`` within ``capacity_gb`` (the memory of the
+    devices they share) and issue their allocator limits (``device_gb``: one device's memory); one ``quota``
+    event per worker whose grant or limit changes, with the pool's accounting after it. ``trends``: each worker's
+    memory trend (:func:`observe_memory`) for growth by ramp and idle reclaim; None: neither."""
+    trends = trends or {}
+    members = []
+    for w in workers:
+        trend = trends.get(w.id)
+        members.append(
+            WorkerMemory(
+                w.id,
+                finite(w.metrics, "memory_used_gb"),
+                w.fields.memory_quota_gb or pool.memory_base_gb,
+                w.fields.memory_ceiling_gb,
+                ramp_gb_per_s=trend.ramp_gb_per_s if trend else 0.0,
+                recent_peak_gb=trend.peak_gb if trend else None,
+                limit_gb=w.fields.memory_limit_gb,
+            )
         )
-        for w in workers
-    ]
-    result = plan(capacity_gb, pool.memory_base_gb, pool.memory_ceiling_gb, members, config)
+    result = plan(capacity_gb, pool.memory_base_gb, pool.memory_ceiling_gb, members, config, device_gb=device_gb)
     verdict = QuotaVerdict(result.accounting)
     by_id = {w.id: w for w in workers}
-    for wid, quota in sorted(result.changes.items()):
-        data = {
-            "kind": "memory_quota",
-            "from_gb": by_id[wid].fields.memory_quota_gb,
-            "to_gb": quota,
-            "reason": result.reasons.get(wid, ""),
-            "pool_memory": result.accounting.to_dict(),
-        }
+    for wid in sorted(set(result.changes) | set(result.limit_changes)):
+        patch: dict[str, float | None] = {}
+        fields = by_id[wid].fields
+        data: dict[str, object] = {"kind": "memory_quota", "from_gb": fields.memory_quota_gb}
+        if wid in result.changes:
+            patch["memory_quota_gb"] = result.changes[wid]
+        data["to_gb"] = patch.get("memory_quota_gb", fields.memory_quota_gb)
+        if wid in result.limit_changes:
+            patch["memory_limit_gb"] = result.limit_changes[wid]
+            data["limit_from_gb"] = fields.memory_limit_gb
+            data["limit_to_gb"] = result.limit_changes[wid]
+        data["reason"] = result.reasons.get(wid, "")
+        data["pool_memory"] = result.accounting.to_dict()
         ev = Event(ts=now, type=EventType.QUOTA, worker_id=wid, pool=pool.name, data=data)
-        verdict.changes.append(Change(wid, {"memory_quota_gb": quota}, "quota", [ev]))
+        verdict.changes.append(Change(wid, patch, "quota", [ev]))
     return verdict
 
 

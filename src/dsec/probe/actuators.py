@@ -43,6 +43,7 @@ class Actuators:
         # so directives changing them are never acked (the control plane sees them pending).
         self.collectives_locked = False
         self.memory_quota_gb: float | None = None
+        self.memory_limit_gb: float | None = None
         self.memory_ceiling_gb: float | None = None
         self.precision = "fp32"
         self.snapshot_interval_s: float | None = None
@@ -64,6 +65,7 @@ class Actuators:
         accum = int(directive.get("grad_accum_steps") or 1)
         self._set_sampling(bool(directive.get("async_sampling", True)))
         self.memory_quota_gb = directive.get("memory_quota_gb")
+        self.memory_limit_gb = directive.get("memory_limit_gb")
         self.memory_ceiling_gb = directive.get("memory_ceiling_gb")
         self.precision = str(directive.get("precision") or "fp32")
         self.snapshot_interval_s = directive.get("snapshot_interval_s")
@@ -129,10 +131,19 @@ class Actuators:
         self._sampling_callbacks.append(callback)
 
     # -- memory -------------------------------------------------------------------------------------
-    def _apply_memory_quota(self) -> None:
-        """On CUDA, cap the caching allocator (a soft, per-process limit); on CPU the quota is only
-        reported against (memory_quota_gb next to memory_used_gb)."""
+    def allocator_limit_gb(self) -> float | None:
+        """What the allocator may take: the grant, or the limit when that is more (dsec.quota.elastic, "Grant and
+        limit"); None without a quota."""
         if self.memory_quota_gb is None:
+            return None
+        quota = float(self.memory_quota_gb)
+        return quota if self.memory_limit_gb is None else max(quota, float(self.memory_limit_gb))
+
+    def _apply_memory_quota(self) -> None:
+        """On CUDA, cap the caching allocator at :meth:`allocator_limit_gb` (a soft, per-process limit); on CPU the
+        quota is only reported against (memory_quota_gb next to memory_used_gb)."""
+        limit = self.allocator_limit_gb()
+        if limit is None:
             return
         import sys
 
@@ -141,7 +152,7 @@ class Actuators:
             return
         dev = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(dev).total_memory / 2**30
-        fraction = max(0.01, min(1.0, float(self.memory_quota_gb) / total))
+        fraction = max(0.01, min(1.0, limit / total))
         torch.cuda.set_per_process_memory_fraction(fraction, dev)
         self.memory_fraction_applied = fraction
 
@@ -167,4 +178,6 @@ class Actuators:
         }
         if self.memory_quota_gb is not None:
             out["memory_quota_gb"] = float(self.memory_quota_gb)
+        if (limit := self.allocator_limit_gb()) is not None and self.memory_limit_gb is not None:
+            out["memory_limit_gb"] = limit
         return out

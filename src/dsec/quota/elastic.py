@@ -28,6 +28,26 @@ Semantics
   its quota, except when the pool is over-committed and the workers that do report cannot give back
   enough; then it gives back just what is needed to fit, largest grant first, never below base.
 
+- Growth by deficit and ramp: a growing worker is granted at least one step, and at least what it will use
+  ``ramp_horizon_s`` from now at its observed ramp (``ramp_gb_per_s``), plus slack — a burst ramping at
+  0.3 GB/s outruns 1 GB per plan; the grant has to lead it, not trail it.
+- Idle grants: a worker whose recent peak (``recent_peak_gb``, kept by the caller over a window) leaves a grant
+  at least one step above what that peak needs gives the surplus back, to ``peak * (1 + slack) /
+  grow_when_used_fraction`` on the grid — a level at which the same usage does not grow again (no oscillation).
+  A grant that outlives its burst strands memory the card's other workers could burst into.
+
+Grant and limit (requests and limits)
+-------------------------------------
+A quota is a *grant*: memory reserved for the worker, never promised to anyone else. What the worker's
+allocator may actually take is its *limit*: its grant plus the memory no worker has been granted (the card's
+unreserved headroom, shared), capped at the card and at the worker's own lowered ceiling. A burst therefore
+runs into memory nobody reserved instead of failing at the grant (which would turn a card with free memory into an
+OOM no baseline would have: the first design's hard cap at the grant did exactly that), while a worker's bursts can
+never take memory granted to a neighbour. Only concurrent bursts into the same unreserved memory can still fill a
+card, as without quotas. The pool's ceiling bounds the *grant*; above it the breaker's memory path (accumulation)
+acts. Limits are re-issued when they must fall (a neighbour's grant grew), or rise by at least one step
+(hysteresis: limits follow every grant change of a card-mate otherwise). Unknown capacity: no limit (None).
+
 Quotas move on a grid ``base + k * step`` (capped at the ceiling), so growth and reclaim land on the
 same values. Pure: no clock, no I/O.
 """
@@ -36,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Float tolerance for capacity comparisons and grid rounding (GB); far below any meaningful quota.
@@ -61,6 +81,12 @@ class WorkerMemory:
     quota_gb: float
     # The worker's own ceiling when lower than the pool's (e.g. lowered for stuck episodes); None: the pool's.
     ceiling_gb: float | None = None
+    # Observed growth of ``used_gb`` (GB/s, >= 0) and the highest usage over the caller's recent window (None: not
+    # tracked: no idle reclaim). See MemoryTrend.
+    ramp_gb_per_s: float = 0.0
+    recent_peak_gb: float | None = None
+    # The allocator limit in force (None: none issued yet).
+    limit_gb: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -71,6 +97,10 @@ class WorkerMemory:
         _check_nonneg("quota_gb", self.quota_gb, context)
         if self.ceiling_gb is not None:
             _check_nonneg("ceiling_gb", self.ceiling_gb, context)
+        _check_nonneg("ramp_gb_per_s", self.ramp_gb_per_s, context)
+        for name in ("recent_peak_gb", "limit_gb"):
+            if getattr(self, name) is not None:
+                _check_nonneg(name, getattr(self, name), context)
 
 
 @dataclass(frozen=True)
@@ -78,12 +108,14 @@ class QuotaConfig:
     """``step_gb``: grant increment. ``grow_when_used_fraction``: usage/quota at which a worker grows.
     ``slack_fraction``: margin above usage left to a worker when its grant is reclaimed (so a reclaim
     does not immediately trigger growth or an OOM). ``reserve_gb``: pool memory never granted (for the
-    runtime, fragmentation, a worker about to join)."""
+    runtime, fragmentation, a worker about to join). ``ramp_horizon_s``: how far ahead growth covers a worker's
+    observed ramp (two plan intervals: the grant must still lead when the next plan runs)."""
 
     step_gb: float = 1.0
     grow_when_used_fraction: float = 0.85
     slack_fraction: float = 0.10
     reserve_gb: float = 0.0
+    ramp_horizon_s: float = 4.0
 
     def __post_init__(self) -> None:
         if not (_is_number(self.step_gb) and self.step_gb > 0):
@@ -93,6 +125,7 @@ class QuotaConfig:
             raise ValueError(f"grow_when_used_fraction={f!r} is invalid: expected a number in (0, 1]")
         _check_nonneg("slack_fraction", self.slack_fraction)
         _check_nonneg("reserve_gb", self.reserve_gb)
+        _check_nonneg("ramp_horizon_s", self.ramp_horizon_s)
 
 
 @dataclass(frozen=True)
@@ -130,14 +163,24 @@ class QuotaPlan:
     over_ceiling: tuple[str, ...]
     accounting: PoolMemory
     reasons: dict[str, str] = field(default_factory=dict)
+    # worker -> the allocator limit to issue, only where it changes (see "Grant and limit"); None: no limit.
+    limit_changes: dict[str, float | None] = field(default_factory=dict)
 
     def apply(self, workers: Sequence[WorkerMemory]) -> tuple[WorkerMemory, ...]:
-        """``workers`` with the new quotas (what the next plan will see once the directives are applied)."""
-        return tuple(WorkerMemory(w.worker_id, w.used_gb, self.changes.get(w.worker_id, w.quota_gb)) for w in workers)
+        """``workers`` with the new quotas and limits (what the next plan sees once the directives are applied)."""
+        return tuple(
+            replace(
+                w,
+                quota_gb=self.changes.get(w.worker_id, w.quota_gb),
+                limit_gb=self.limit_changes.get(w.worker_id, w.limit_gb),
+            )
+            for w in workers
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "changes": dict(self.changes),
+            "limit_changes": dict(self.limit_changes),
             "over_ceiling": list(self.over_ceiling),
             "accounting": self.accounting.to_dict(),
             "reasons": dict(self.reasons),
@@ -158,8 +201,10 @@ def plan(
     ceiling_gb: float,
     workers: Sequence[WorkerMemory],
     config: QuotaConfig | None = None,
+    device_gb: float | None = None,
 ) -> QuotaPlan:
-    """Plan the quotas of one pool's workers. See the module docstring for the rules."""
+    """Plan the quotas of one pool's workers. See the module docstring for the rules. ``device_gb``: the memory
+    of one device (a limit never exceeds it); None: ``capacity_gb``."""
     config = config if config is not None else QuotaConfig()
     if capacity_gb is not None:
         _check_nonneg("capacity_gb", capacity_gb)
@@ -195,7 +240,8 @@ def plan(
         if granted > usable + tol:
             _reclaim(workers, quota, notes, usable, tol, base_gb, ceiling_gb, config)
         else:
-            _grow(workers, quota, notes, usable, tol, ceiling_gb, config)
+            idle = _reclaim_idle(workers, quota, notes, base_gb, ceiling_gb, config)
+            _grow([w for w in workers if w.worker_id not in idle], quota, notes, usable, tol, ceiling_gb, config)
 
     over_ceiling = tuple(sorted(w.worker_id for w in workers if w.used_gb is not None and w.used_gb > ceiling_gb))
     for w in workers:
@@ -215,12 +261,30 @@ def plan(
         ceiling_gb=float(ceiling_gb),
         workers=len(workers),
     )
+    limit_changes: dict[str, float | None] = {}
+    if usable is not None:
+        card = float(device_gb) if device_gb else float(capacity_gb or 0.0)
+        # What each worker holds now: its usage (no report: its whole grant). A limit is the worker's grant, or
+        # all the memory its neighbours do not hold now if that is more — so a burst may borrow memory a
+        # neighbour was granted but does not use; giving it back when the neighbour needs it is the pressure
+        # path's job (the breaker's memory cap sits below the limit), not a wall at the grant.
+        held = {w.worker_id: w.used_gb if w.used_gb is not None else quota[w.worker_id] for w in workers}
+        total_held = math.fsum(held.values())
+        for w in workers:
+            limit = min(card, max(quota[w.worker_id], usable - (total_held - held[w.worker_id])))
+            if w.ceiling_gb is not None:  # lowered for this worker (stuck episodes): a hard bound
+                limit = min(limit, max(quota[w.worker_id], w.ceiling_gb))
+            old = w.limit_gb
+            if old is None or limit < old - _EPS or limit >= old + config.step_gb - _EPS or old < quota[w.worker_id]:
+                limit_changes[w.worker_id] = limit
     reasons = {wid: "; ".join(lines) for wid, lines in notes.items() if lines}
-    return QuotaPlan(changes=changes, over_ceiling=over_ceiling, accounting=accounting, reasons=reasons)
+    return QuotaPlan(
+        changes=changes, over_ceiling=over_ceiling, accounting=accounting, reasons=reasons, limit_changes=limit_changes
+    )
 
 
 def _grow(
-    workers: tuple[WorkerMemory, ...],
+    workers: Sequence[WorkerMemory],
     quota: dict[str, float],
     notes: dict[str, list[str]],
     usable: float,
@@ -229,28 +293,54 @@ def _grow(
     config: QuotaConfig,
 ) -> None:
     """One step more for each worker near its quota, closest first, while the pool has room."""
-    candidates: list[tuple[float, str, float, float]] = []
+    candidates: list[tuple[float, str, float, float, float]] = []
     for w in workers:
         q = quota[w.worker_id]
         own = ceiling if w.ceiling_gb is None else min(ceiling, w.ceiling_gb)
         # used > 0: a worker that uses nothing does not need more, even with a zero quota.
         if w.used_gb is None or w.used_gb <= 0 or q >= own:
             continue
-        if w.used_gb >= config.grow_when_used_fraction * q:
-            ratio = w.used_gb / q if q > 0 else math.inf
-            candidates.append((-ratio, w.worker_id, w.used_gb, own))
+        ahead = w.used_gb + w.ramp_gb_per_s * config.ramp_horizon_s
+        if ahead >= config.grow_when_used_fraction * q:
+            ratio = ahead / q if q > 0 else math.inf
+            candidates.append((-ratio, w.worker_id, w.used_gb, own, ahead))
     granted = math.fsum(quota.values())
-    for _, wid, used, own in sorted(candidates):
+    for _, wid, used, own, ahead in sorted(candidates):
         old = quota[wid]
-        new = min(own, old + config.step_gb)
+        need = ahead * (1 + config.slack_fraction) if ahead > old else old
+        new = min(own, max(old + config.step_gb, _grid_ceil(need, old, math.inf, config.step_gb)))
         # A worker whose step does not fit is skipped; a smaller step (capped at the ceiling) may still.
         if granted + (new - old) <= usable + tol:
             quota[wid] = new
             granted += new - old
             notes[wid].append(
-                f"grown {old:g} -> {new:g} GB: uses {used:g} GB >= "
-                f"{config.grow_when_used_fraction:.0%} of its quota, pool has headroom"
+                f"grown {old:g} -> {new:g} GB: uses {used:g} GB (in {config.ramp_horizon_s:g} s at its ramp: "
+                f"{ahead:.3g} GB) >= {config.grow_when_used_fraction:.0%} of its quota, pool has headroom"
             )
+
+
+def _reclaim_idle(
+    workers: tuple[WorkerMemory, ...],
+    quota: dict[str, float],
+    notes: dict[str, list[str]],
+    base: float,
+    ceiling: float,
+    config: QuotaConfig,
+) -> set[str]:
+    """Give back grants a worker's recent peak leaves unused (see the module docstring); the workers reclaimed."""
+    out: set[str] = set()
+    for w in workers:
+        q = quota[w.worker_id]
+        if w.recent_peak_gb is None or w.used_gb is None or q <= base:
+            continue
+        peak = max(w.recent_peak_gb, w.used_gb)
+        target = _grid_ceil(peak * (1 + config.slack_fraction) / config.grow_when_used_fraction, base, ceiling,
+                            config.step_gb)  # fmt: skip
+        if q - target >= config.step_gb - _EPS:
+            quota[w.worker_id] = target
+            out.add(w.worker_id)
+            notes[w.worker_id].append(f"idle grant reclaimed {q:g} -> {target:g} GB: recent peak {peak:.3g} GB")
+    return out
 
 
 def _reclaim(

@@ -22,6 +22,7 @@ from dsec.model import DeviceHealth, Pool, PoolThresholds, WorkerState
 from dsec.policy import Engine, PolicySet, Scope, SeriesStore
 from dsec.policy.rules import Knob
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
+from dsec.quota.trend import observe_arrays
 from dsec.scheduler import DeviceHealthConfig, DeviceHealthTracker, NodeInfo, classify_load
 from dsec.sim.dsec_devices import DeviceHealthPass
 from dsec.sim.dsec_placement import PlacementPass, _CardProfiles
@@ -51,7 +52,10 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
             recovery_s=d.breaker_recovery_s,
             max_recovery_s=max(600.0, d.breaker_recovery_s),
         )
-        self.quota_config = QuotaConfig(step_gb=1.0 * sc.sample_interval_s / CONTROL_QUOTA_INTERVAL_S)
+        # One plan per sample: growth covers the observed ramp for two plans ahead, as on the server.
+        self.quota_config = QuotaConfig(
+            step_gb=1.0 * sc.sample_interval_s / CONTROL_QUOTA_INTERVAL_S, ramp_horizon_s=2 * sc.sample_interval_s
+        )
         self.fleet_config = FleetConfig(
             features=tuple(f for f in DEFAULT_FEATURES if f.name in ("step_ms_mean", "sync_latency_ms_p50"))
         )
@@ -89,6 +93,14 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         self.valid_from = np.zeros(sim.N, dtype=np.int64)
         self.version = np.zeros(sim.N, dtype=np.int64)
         self.quota = np.full(sim.N, sc.quota_base_gb())
+        # The allocator limit each worker's probe enforces (NaN: none issued yet — the probe caps at the quota).
+        self.limit = np.full(sim.N, math.nan)
+        self.plan_limit = np.full(sim.N, -1.0)
+        # Each worker's memory trend (dsec.quota.trend, the server's formula over arrays): t, used, ramp, peak.
+        self.trend = [np.full(sim.N, -math.inf), np.zeros(sim.N), np.zeros(sim.N), np.zeros(sim.N),
+                      np.full(sim.N, -math.inf)]  # fmt: skip
+        self.plan_ramp = np.full(sim.N, -1.0)
+        self.plan_peak = np.full(sim.N, -1.0)
         self.pool_meltdowns = np.zeros(sim.G, dtype=np.int64)
         self.last_recovery = np.full(sim.G, math.nan)
         self.recovering_until = np.full(sim.G, -math.inf)
@@ -146,6 +158,9 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         self.valid_from[w] = int(sim.now // self.sc.sample_interval_s) + 1  # samples of the old process: gone
         sim.bits_frac[w], sim.accum[w], sim.paused[w] = 1.0, 1.0, False
         self.quota[w] = self.knobs[(self.pool_names[int(sim.group_of[w])], "memory_base_gb")] or 0.0
+        self.limit[w] = math.nan
+        for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf), strict=True):
+            arr[w] = v  # a new process: the old one's trend is gone with it
 
     # -- per sample --------------------------------------------------------------------------------------------------
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
@@ -155,6 +170,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
             run = self.running_workers()
         if len(run):
             if self.sc.dsec.quotas:
+                self._observe_trends(t, run, mem)
                 self._quotas(run, mem)
             if self.sc.dsec.breaker:
                 self._breakers(k, t, run, mem, latency_ms)
@@ -167,7 +183,12 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         sim = self.sim
         # The quota is the worker's allocator cap (torch.cuda.set_per_process_memory_fraction): a worker above it
         # fails its own allocation; its neighbours on the card keep running.
-        cap = self.quota[run] if self.sc.dsec.quotas else np.full(len(run), math.inf)
+        if not self.sc.dsec.quotas:
+            cap = np.full(len(run), math.inf)
+        elif self.sc.dsec.quota_limits:
+            cap = np.where(np.isnan(self.limit[run]), self.quota[run], self.limit[run])
+        else:  # the first design: the allocator capped at the grant
+            cap = self.quota[run]
         over = run[mem[run] > cap + 1e-9]
         victims = set(int(w) for w in over)
         rest = np.array([w for w in run if int(w) not in victims], dtype=np.int64)
@@ -176,6 +197,13 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         if victims:
             self.counts["oom_workers"] += len(victims)
             self.fail_workers(t, "oom", sorted(victims))
+
+    def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""
+        t0, used, ramp, peak, peak_t = (arr[run] for arr in self.trend)
+        out = observe_arrays(t0, used, ramp, peak, peak_t, mem[run], t)
+        for arr, new in zip(self.trend, out, strict=True):
+            arr[run] = new
 
     def _quotas(self, run: np.ndarray, mem: np.ndarray) -> None:
         """dsec.quota.plan per card (the capacity the card's workers share), for the cards whose inputs changed since
@@ -188,6 +216,9 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
             (mem[run] != self.plan_mem[run])
             | (self.quota[run] != self.plan_quota[run])
             | (sim.slot_of[run] != self.plan_slot[run])
+            | (self.trend[2][run] != self.plan_ramp[run])
+            | (self.trend[3][run] != self.plan_peak[run])
+            | ~((self.limit[run] == self.plan_limit[run]) | (np.isnan(self.limit[run]) & (self.plan_limit[run] < 0)))
         )
         dirty = counts != self.plan_count
         dirty[card[changed]] = True
@@ -195,6 +226,9 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
             dirty[:] = True
         sel = dirty[card]
         inputs = self.quota[run].copy()  # what this plan reads: the next one re-plans if the quota moved since
+        limits_in = np.where(np.isnan(self.limit[run]), -1.0, self.limit[run])
+        limits_on = self.sc.dsec.quota_limits
+        ramp, peak = self.trend[2], self.trend[3]
         ws_all, card_d = run[sel], card[sel]
         order = np.argsort(card_d, kind="stable")
         ws_all, card_d = ws_all[order], card_d[order]
@@ -205,13 +239,27 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
             pool = self.pool_names[int(sim.group_of[ws[0]])]
             base = float(self.knobs[(pool, "memory_base_gb")] or 0.0)
             ceiling = float(self.knobs[(pool, "memory_ceiling_gb")] or base)
-            members = [WorkerMemory(str(int(w)), float(mem[w]), float(self.quota[w])) for w in ws]
-            result = plan(cap, base, ceiling, members, self.quota_config)
+            members = [
+                WorkerMemory(
+                    str(int(w)), float(mem[w]), float(self.quota[w]),
+                    ramp_gb_per_s=float(ramp[w]) if limits_on else 0.0,
+                    recent_peak_gb=float(peak[w]) if limits_on else None,
+                    limit_gb=None if math.isnan(self.limit[w]) else float(self.limit[w]),
+                )
+                for w in ws
+            ]  # fmt: skip
+            result = plan(cap, base, ceiling, members, self.quota_config, device_gb=cap)
             for wid, q in result.changes.items():
                 self.quota[int(wid)] = q
+            for wid, lim in result.limit_changes.items():
+                self.limit[int(wid)] = math.nan if lim is None else lim
             self.counts["quota_changes"] += len(result.changes)
+            self.counts["limit_changes"] += len(result.limit_changes)
         self.plan_mem[run] = mem[run]
         self.plan_quota[run] = inputs
+        self.plan_limit[run] = limits_in
+        self.plan_ramp[run] = ramp[run]
+        self.plan_peak[run] = peak[run]
         self.plan_slot[run] = sim.slot_of[run]
         self.plan_count = counts
 

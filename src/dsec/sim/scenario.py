@@ -133,6 +133,9 @@ class Dsec(_Strict):
     placement: bool = True  # history-aware placement (else first-fit, as the baseline)
     breaker: bool = True
     quotas: bool = True
+    # Quotas as grants with limits (dsec.quota.elastic "Grant and limit", growth by ramp, idle reclaim); False: the
+    # first design — the allocator capped at the grant, grown one step per plan — kept to measure against.
+    quota_limits: bool = True
     device_health: bool = True
 
 

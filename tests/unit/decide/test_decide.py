@@ -18,6 +18,7 @@ from dsec.decide import (
     degrade,
     judge_beat,
     judge_pool,
+    observe_memory,
     occupancy,
     plan_pool_quotas,
     policy_samples,
@@ -119,11 +120,31 @@ def test_a_single_learner_is_not_judged_and_a_whole_slow_pool_alerts_once() -> N
 def test_quota_plans_grow_a_busy_worker_within_the_capacity() -> None:
     pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
     ws = [view(0, metrics={"memory_used_gb": 7.9}, memory_quota_gb=8.0), view(1, metrics={"memory_used_gb": 1.0})]
-    v = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0)
-    (change,) = v.changes
-    assert change.worker_id == "w0" and change.patch["memory_quota_gb"] > 8.0 and change.actor == "quota"
+    v = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, device_gb=20.0)
+    by_id = {c.worker_id: c for c in v.changes}
+    change = by_id["w0"]
+    assert change.patch["memory_quota_gb"] > 8.0 and change.actor == "quota"
     assert change.events[0].type is EventType.QUOTA and change.events[0].data["from_gb"] == 8.0
     assert v.accounting.capacity_gb == 40.0
+    # every worker gets its first allocator limit: what the other does not hold, within one device
+    assert change.patch["memory_limit_gb"] == 20.0 and change.events[0].data["limit_to_gb"] == 20.0
+    assert by_id["w1"].patch == {"memory_limit_gb": 20.0}
+    # once issued and unchanged, a limit is not sent again
+    issued = [view(0, metrics={"memory_used_gb": 7.9}, memory_quota_gb=10.0, memory_limit_gb=20.0),
+              view(1, metrics={"memory_used_gb": 1.0}, memory_limit_gb=20.0)]  # fmt: skip
+    assert [c.patch for c in plan_pool_quotas(pool, 40.0, issued, QuotaConfig(), 5.0, device_gb=20.0).changes] == []
+
+
+def test_quota_trends_grow_a_ramping_worker_ahead_and_forget_departed_ones() -> None:
+    pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    trends = observe_memory({}, [view(0, metrics={"memory_used_gb": 5.0})], 0.0)
+    ramping = [view(0, metrics={"memory_used_gb": 7.0}, memory_quota_gb=8.0)]
+    trends = observe_memory(trends, ramping, 2.0)
+    assert trends["w0"].ramp_gb_per_s == pytest.approx(0.5)
+    with_ramp = plan_pool_quotas(pool, 40.0, ramping, QuotaConfig(), 2.0, trends=trends)
+    without = plan_pool_quotas(pool, 40.0, ramping, QuotaConfig(), 2.0)
+    assert with_ramp.changes[0].patch["memory_quota_gb"] > without.changes[0].patch["memory_quota_gb"]
+    assert observe_memory(trends, [], 4.0) == {}
 
 
 def test_occupancy_counts_only_judged_workers_as_evidence() -> None:

@@ -1,0 +1,58 @@
+"""A worker's memory trend between quota plans: its ramp (GB/s) and its recent peak — the inputs that let the
+planner grant ahead of a burst and give back a grant the burst no longer needs. Pure and immutable: the caller keeps
+one per worker and replaces it with ``observe``'s result."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Smoothing of the ramp between observations (1 = the last interval only). Half keeps one noisy reading from
+#: granting a burst that is not there, and still follows a real ramp within two plans.
+RAMP_WEIGHT = 0.5
+#: How long a peak counts as "recent": a grant sized for it is reclaimed once no usage this high was seen for
+#: this long (a sparse-reward burst holds ~2 min; a minute of calm after it is not a new burst coming).
+PEAK_HOLD_S = 60.0
+#: Readings closer than this are not used for a ramp (two beats in one instant say nothing about a rate).
+MIN_DT_S = 0.5
+
+
+@dataclass(frozen=True)
+class MemoryTrend:
+    t: float
+    used_gb: float
+    ramp_gb_per_s: float = 0.0
+    peak_gb: float = 0.0
+    peak_t: float = -math.inf
+
+    @classmethod
+    def first(cls, used_gb: float, now: float) -> MemoryTrend:
+        return cls(now, used_gb, 0.0, used_gb, now)
+
+    def observe(self, used_gb: float, now: float, hold_s: float = PEAK_HOLD_S) -> MemoryTrend:
+        """The trend after a new reading (see :func:`observe_arrays`, the one formula)."""
+        out = observe_arrays(self.t, self.used_gb, self.ramp_gb_per_s, self.peak_gb, self.peak_t, used_gb, now, hold_s)
+        return MemoryTrend(*(float(x) for x in out))
+
+
+def observe_arrays(
+    t: Any, used: Any, ramp: Any, peak: Any, peak_t: Any, new_used: Any, now: float, hold_s: float = PEAK_HOLD_S
+) -> tuple[Any, Any, Any, Any, Any]:
+    """(t, used, ramp, peak, peak_t) after a reading ``new_used`` at ``now``, element-wise over numpy arrays (the
+    simulator's workers) or scalars (MemoryTrend). Rates are growth only (>= 0): shrinking usage is the idle
+    reclaim's business, through the peak. A reading too close to the last one updates the peak, not the ramp."""
+    dt = now - np.asarray(t, dtype=float)
+    fresh = dt >= MIN_DT_S
+    rate = np.maximum(0.0, (np.asarray(new_used, dtype=float) - used) / np.where(fresh, dt, 1.0))
+    new_ramp = np.where(fresh, RAMP_WEIGHT * rate + (1 - RAMP_WEIGHT) * np.asarray(ramp, dtype=float), ramp)
+    reset = (np.asarray(new_used) >= peak) | (fresh & (now - np.asarray(peak_t, dtype=float) > hold_s))
+    return (
+        np.where(fresh, now, t),
+        np.where(fresh, new_used, used),
+        new_ramp,
+        np.where(reset, new_used, peak),
+        np.where(reset, now, peak_t),
+    )
