@@ -59,6 +59,8 @@ class EventType(str, enum.Enum):
     REJOINED = "rejoined"
     DIRECTIVE_SET = "directive_set"
     DIRECTIVE_ACKED = "directive_acked"
+    # A worker cannot carry out a directive field (``field``, ``reason``, ``version``, ``requested``): never acked.
+    DIRECTIVE_UNAPPLIABLE = "directive_unappliable"
     MELTDOWN = "meltdown"  # a worker's breaker opened (entry into degradation)
     RECOVERED = "recovered"  # a worker's breaker closed again, or a precision fallback was undone
     BREAKER = "breaker"  # any other breaker transition (escalate, step down, ack)
@@ -80,7 +82,14 @@ class EventType(str, enum.Enum):
 
 #: Event kinds a worker may report in a heartbeat; the rest are decided by the control plane.
 WORKER_EVENT_TYPES = frozenset(
-    {EventType.SNAPSHOT, EventType.RESTORE, EventType.ALERT, EventType.ANOMALY, EventType.LOG}
+    {
+        EventType.SNAPSHOT,
+        EventType.RESTORE,
+        EventType.ALERT,
+        EventType.ANOMALY,
+        EventType.LOG,
+        EventType.DIRECTIVE_UNAPPLIABLE,
+    }
 )
 
 COMPRESSION_BITS = (32, 16, 8, 4)

@@ -130,10 +130,17 @@ def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None
             f"{max(0.0, now - w['last_beat_at']):.1f}s ago",
             breaker,
             degradation,
-            f"{sync}v{d['desired_version']}/v{d['acked_version']}",
+            f"{sync}v{d['desired_version']}/v{d['acked_version']}" + _unappliable(d.get("unappliable")),
             *(_metric(w["metrics"], keys) for _, keys in _METRIC_COLUMNS),
         )
     return t
+
+
+def _unappliable(fields: Mapping[str, Any] | None) -> str:
+    """Fields of the desired directive the worker answered it cannot carry out (``directive_unappliable``)."""
+    if not fields:
+        return ""
+    return "".join(f"\n[red]unappliable {name}: {u.get('reason') or '?'}" for name, u in sorted(fields.items()))
 
 
 def events_table(events: Sequence[Mapping[str, Any]], title: str = "Events") -> Table:

@@ -278,7 +278,14 @@ def test_event_to_dict() -> None:
 
 
 def test_worker_event_types_exclude_control_plane_decisions() -> None:
-    assert {t.value for t in WORKER_EVENT_TYPES} == {"snapshot", "restore", "alert", "anomaly", "log"}
+    assert {t.value for t in WORKER_EVENT_TYPES} == {
+        "snapshot",
+        "restore",
+        "alert",
+        "anomaly",
+        "log",
+        "directive_unappliable",
+    }
     for decided in (
         "registered",
         "deregistered",

@@ -24,7 +24,7 @@ from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
 from dsec.control.store import WriteBatch
-from dsec.model import Event, EventType, Pool, WorkerInfo, WorkerState
+from dsec.model import DirectiveFields, Event, EventType, Pool, WorkerInfo, WorkerState
 
 
 class Beats:
@@ -166,6 +166,9 @@ class Beats:
         w.last_beat_at = now
         w.beats += 1
         w.metrics = metrics  # swapped, not mutated: the writer thread may be copying the old one
+        for ev in req.events:
+            if ev.type is EventType.DIRECTIVE_UNAPPLIABLE:
+                _note_unappliable(w, ev.data)
         if newly_acked:
             w.acked_version = req.acked_directive_version
         if was_lost:
@@ -278,3 +281,17 @@ class Beats:
             self.state.workers_by_token[w.token_id] -= 1
         self.judge.forget(w.id)  # a worker that left is judged no more
         return w.to_api()
+
+
+def _note_unappliable(w: LiveWorker, data: Mapping[str, Any]) -> None:
+    """Remember which field of which directive version the worker cannot carry out (shown by the worker view)."""
+    name = data.get("field")
+    version = data.get("version")
+    if name not in DirectiveFields.__dataclass_fields__ or not isinstance(version, int):
+        return
+    requested = data.get("requested")
+    w.unappliable[str(name)] = {
+        "version": version,
+        "requested": requested if isinstance(requested, (int, float, str, bool)) else None,
+        "reason": str(data.get("reason", ""))[:200],
+    }

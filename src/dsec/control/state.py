@@ -81,6 +81,9 @@ class LiveWorker:
     # ``info``. ``ended_at``: when it deregistered (in memory; after a restart its last beat stands in).
     token_id: str | None = None
     ended_at: float | None = None
+    # Directive fields the worker said it cannot carry out (``directive_unappliable`` events): field -> the
+    # event's version, requested value and reason. In memory only (the events stay in the store).
+    unappliable: dict[str, dict[str, Any]] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     @property
@@ -145,6 +148,12 @@ class LiveWorker:
                 "acked_version": self.acked_version,
                 "in_sync": self.acked_version == self.directive.version,
                 "desired": self.directive.to_dict(),
+                # Fields of the desired version the worker answered as unappliable (it will never ack it).
+                "unappliable": {
+                    name: {"requested": u.get("requested"), "reason": u.get("reason")}
+                    for name, u in self.unappliable.items()
+                    if u.get("version") == self.directive.version
+                },
             },
         }
 

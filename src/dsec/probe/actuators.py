@@ -26,7 +26,12 @@ VALID_BITS = (32, 16, 8, 4)
 
 
 class Actuators:
-    def __init__(self, default_bits: int = 32, ack: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        default_bits: int = 32,
+        ack: Callable[[int], None] | None = None,
+        unappliable: Callable[[int, str, Any, str], None] | None = None,
+    ) -> None:
         if default_bits not in VALID_BITS:
             raise ValueError(f"compression_bits={default_bits} is invalid: expected one of {list(VALID_BITS)}")
         self._ack = ack
@@ -42,6 +47,13 @@ class Actuators:
         # A user-registered comm hook owns gradient sync: compression/accumulation cannot be applied,
         # so directives changing them are never acked (the control plane sees them pending).
         self.collectives_locked = False
+        # Fields this process cannot carry out (field -> why): a directive asking to change one is answered with
+        # ``unappliable(version, field, requested, reason)`` (a ``directive_unappliable`` event) and never acked;
+        # its other fields still take effect.
+        self.refused: dict[str, str] = {}
+        self._unappliable = unappliable
+        self._answered: set[tuple[int, str]] = set()
+        self._last: Mapping[str, Any] | None = None
         self.memory_quota_gb: float | None = None
         self.memory_limit_gb: float | None = None
         self.memory_ceiling_gb: float | None = None
@@ -59,10 +71,8 @@ class Actuators:
     def handle(self, directive: Mapping[str, Any]) -> bool:
         """Reporter's directive handler. True: in force now; False: acked later at the safe point."""
         version = int(directive.get("version", 0))
-        bits = directive.get("compression_bits")
-        # None: the level this probe was configured with; 32: uncompressed, even when that default is 8 or 4.
-        bits = self.default_bits if bits is None else int(bits)
-        accum = int(directive.get("grad_accum_steps") or 1)
+        self._last = directive
+        bits, accum = self._requested(directive)
         self._set_sampling(bool(directive.get("async_sampling", True)))
         self.memory_quota_gb = directive.get("memory_quota_gb")
         self.memory_limit_gb = directive.get("memory_limit_gb")
@@ -76,6 +86,14 @@ class Actuators:
         with self._lock:
             if self.collectives_locked and (bits, accum) != (self.effective_bits, self.effective_accum):
                 self._pending_version = None
+                refused = True
+            else:
+                refused = self._refuse_fields(version, bits, accum)
+            if refused:
+                # The fields this process can carry out still take effect; the version is never acked.
+                if "compression_bits" not in self.refused and not self.collectives_locked:
+                    self.desired_bits = bits
+                self._pending_version = None
                 return False
             self.desired_bits, self.desired_accum = bits, accum
             if self.collective_users == 0:
@@ -88,6 +106,48 @@ class Actuators:
                 return True
             self._pending_version = version
             return False
+
+    def _requested(self, directive: Mapping[str, Any]) -> tuple[int, int]:
+        bits = directive.get("compression_bits")
+        # None: the level this probe was configured with; 32: uncompressed, even when that default is 8 or 4.
+        bits = self.default_bits if bits is None else int(bits)
+        return bits, int(directive.get("grad_accum_steps") or 1)
+
+    def _refuse_fields(self, version: int, bits: int, accum: int) -> bool:
+        """Under the lock: True when the directive changes a refused field; each (version, field) answered once."""
+        asked = (("compression_bits", bits, self.effective_bits), ("grad_accum_steps", accum, self.effective_accum))
+        out = False
+        for name, want, have in asked:
+            reason = self.refused.get(name)
+            if reason is None or want == have:
+                continue
+            out = True
+            if (version, name) not in self._answered and self._unappliable is not None:
+                self._answered.add((version, name))
+                try:
+                    self._unappliable(version, name, want, reason)
+                except Exception:
+                    log.warning("dsec: could not report an unappliable directive field", exc_info=True)
+        return out
+
+    def refuse(self, name: str, reason: str) -> None:
+        """This process cannot carry out directive field ``name`` (from now on): the directive in force, if it
+        asks for a change of it, is answered at once (and no longer acked later)."""
+        with self._lock:
+            if name in self.refused:
+                return
+            self.refused[name] = reason
+            # What is in force from now on, whatever was reported before: uncompressed, not accumulated.
+            if name == "compression_bits":
+                self.desired_bits = self.effective_bits = 32
+            elif name == "grad_accum_steps":
+                self.desired_accum = self.effective_accum = 1
+            last = self._last
+            if last is None:
+                return
+            bits, accum = self._requested(last)
+            if self._refuse_fields(int(last.get("version", 0)), bits, accum):
+                self._pending_version = None
 
     def declare(self) -> tuple[int, int]:
         """The (bits, accum) this rank asks its peers for; read by the comm hook at each cycle start."""

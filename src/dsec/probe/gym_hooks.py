@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 _inside_make_vec = threading.local()
 
 
+def _as_list(values: Any) -> list[Any]:
+    tolist = getattr(values, "tolist", None)
+    return list(tolist()) if tolist is not None else list(values)
+
+
 def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> str | None:
     """The first configured key marking this episode as interrupted (the reason), or None."""
     if not isinstance(info, dict):
@@ -109,21 +114,30 @@ class GymInstrumentation:
             def step(self, actions: Any) -> Any:
                 probe.wait_for_sampling()
                 obs, rewards, terminated, truncated, info = self.env.step(actions)
+                # Plain lists once per step: indexing numpy scalars per sub-environment cost microseconds each.
+                rew, term, trunc = _as_list(rewards), _as_list(terminated), _as_list(truncated)
+                if not (any(term) or any(trunc) or any(self._resetting)):
+                    ret, length = self._ret, self._len
+                    for i, r in enumerate(rew):
+                        ret[i] += r
+                        length[i] += 1
+                    probe.telemetry.record_env_steps(len(rew))
+                    return obs, rewards, terminated, truncated, info
                 stepped = 0
                 for i in range(len(self._ret)):
                     if self._resetting[i]:
                         self._resetting[i] = False
                         continue
                     stepped += 1
-                    self._ret[i] += float(rewards[i])
+                    self._ret[i] += float(rew[i])
                     self._len[i] += 1
-                    if terminated[i] or truncated[i]:
+                    if term[i] or trunc[i]:
                         reason = probe.interrupt_reason(_interrupted(info, keys, i))
                         probe.telemetry.record_episode(
                             self._ret[i],
                             self._len[i],
-                            bool(terminated[i]),
-                            bool(truncated[i]),
+                            bool(term[i]),
+                            bool(trunc[i]),
                             reason is not None,
                         )
                         self._ret[i], self._len[i] = 0.0, 0

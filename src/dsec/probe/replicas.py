@@ -59,6 +59,9 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int16)
 
 
+_WEIGHTS: dict[Any, torch.Tensor] = {}  # position weights per device (values depend only on the position)
+
+
 def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     """A 64-bit digest of the tensors' exact bits (order of tensors matters; elements enter through three integer
     sums per chunk: plain, squared and position-weighted). Integer arithmetic makes it independent of thread counts
@@ -66,7 +69,7 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     import torch
 
     h = hashlib.blake2b(digest_size=8)
-    weights: dict[Any, torch.Tensor] = {}
+    weights = _WEIGHTS
     for t in tensors:
         ints = _int_view(t)
         n = ints.numel()
@@ -75,7 +78,9 @@ def fingerprint(tensors: Iterable[torch.Tensor]) -> int:
             c = ints[start : start + _CHUNK].to(torch.int64)
             w = weights.get(c.device)
             if w is None or w.numel() < c.numel():
-                w = weights[c.device] = torch.arange(_CHUNK, dtype=torch.int64, device=c.device) % 251 + 1
+                # Built once per device and size (a fresh 1M-element arange per check cost milliseconds).
+                size = min(_CHUNK, max(c.numel(), 2 * (0 if w is None else w.numel()), 4096))
+                w = weights[c.device] = torch.arange(size, dtype=torch.int64, device=c.device) % 251 + 1
             s1, s2, s3 = (int(v) for v in torch.stack((c.sum(), (c * c).sum(), (c * w[: c.numel()]).sum())).tolist())
             h.update(struct.pack("<qqq", s1, s2, s3))
     return int.from_bytes(h.digest(), "little")
@@ -100,6 +105,26 @@ def hyper_digest(optimizers: Iterable[Any]) -> int:
     return int.from_bytes(h.digest(), "little") & MASK24
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "numel") and value.numel() == 1:
+        return float(value.item())
+    return id(value)
+
+
+def _hyper_key(optimizers: Iterable[Any]) -> tuple[Any, ...]:
+    """Every optimizer's hyper-parameter values as a cheap comparable tuple: the digest is recomputed only when
+    it changes."""
+    return tuple(
+        (id(opt), tuple((k, _plain(v)) for k, v in group.items() if k != "params"))
+        for opt in optimizers
+        for group in opt.param_groups
+    )
+
+
 class ReplicaGuard:
     def __init__(self, probe: Probe, check_every: int = DEFAULT_CHECK_EVERY) -> None:
         self.probe = probe
@@ -115,6 +140,8 @@ class ReplicaGuard:
         self.drifted = False  # this rank differed from the majority at the last check
         self.last_check: dict[str, Any] | None = None
         self._hyper_reported: set[tuple[tuple[int, int], ...]] = set()
+        self._hyper_key: Any = None
+        self._hyper = 0
 
     # -- what the guard covers --------------------------------------------------------------------------
     def add_module(self, module: Any) -> None:
@@ -166,7 +193,11 @@ class ReplicaGuard:
         if fp is not None:
             flags |= Flag.FINGERPRINT
         try:
-            hyper = hyper_digest(self.optimizers())
+            opts = self.optimizers()
+            key = _hyper_key(opts)
+            if key != self._hyper_key:  # the digest (f-strings, blake2b) only when a value changed
+                self._hyper_key, self._hyper = key, hyper_digest(opts)
+            hyper = self._hyper
         except Exception:
             hyper = 0
         return int(flags), fp or 0, hyper

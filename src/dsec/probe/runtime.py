@@ -40,7 +40,9 @@ class Probe:
         self.memory_source: Callable[[], dict[str, float]] = memory_metrics
         self.memory_trend = MemoryTrend()
         self._reporter: Reporter | None = None
-        self.actuators = Actuators(default_bits=config.default_compression_bits, ack=self._ack)
+        self.actuators = Actuators(
+            default_bits=config.default_compression_bits, ack=self._ack, unappliable=self._unappliable
+        )
         self._lock = threading.Lock()
         self._rank: int | None = config.rank
         self.torch: Any = None
@@ -134,6 +136,13 @@ class Probe:
         if self._reporter is not None:
             self._reporter.ack(version)
             self._reporter.beat_now()  # let the control plane know promptly
+
+    def _unappliable(self, version: int, name: str, requested: Any, reason: str) -> None:
+        """A directive field this process cannot carry out: answered at once, the version never acked."""
+        log.warning("dsec: directive v%d: %s=%r cannot be applied here: %s", version, name, requested, reason)
+        self.event(
+            "directive_unappliable", urgent=True, field=name, version=version, requested=requested, reason=reason
+        )
 
     def _collect(self) -> dict[str, float]:
         if self.chaos is not None:

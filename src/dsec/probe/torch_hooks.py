@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from dsec.probe.ddp import SyncCoordinator, measured_hook
+from dsec.probe.manual_sync import ManualSync
 
 if TYPE_CHECKING:
     from dsec.probe.runtime import Probe
@@ -91,6 +92,7 @@ class TorchInstrumentation:
         self._restore: list[tuple[Any, str, Any]] = []
         self._hook_handles: list[Any] = []
         self.originals: _Originals | None = None
+        self.manual: ManualSync | None = None  # hand-written gradient all-reduces (manual_sync.py)
 
     # -- install / uninstall --------------------------------------------------------------------------
     def install(self, torch: ModuleType) -> None:
@@ -104,6 +106,9 @@ class TorchInstrumentation:
             self._trace = open(os.path.join(trace_dir, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
         self.originals = _Originals(dist)
+        if dist.is_available() and self.probe.healing is None:
+            self.manual = ManualSync(self.probe, self.originals)
+            self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
         if dist.is_available():
             import torch.distributed.distributed_c10d as c10d
 
@@ -174,8 +179,18 @@ class TorchInstrumentation:
         telemetry = self.probe.telemetry
         inst = self
 
+        manual = self.manual if name == "all_reduce" else None
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if manual is not None and manual.after_backward and not inst.coordinators:
+                try:
+                    recognised = manual.recognise(args, kwargs) is not None
+                except Exception:
+                    log.debug("dsec: could not classify an all_reduce", exc_info=True)
+                    recognised = False
+                if recognised:
+                    return manual.all_reduce(fn, args, kwargs)  # gradient sync, measured (and compressed) as such
             nbytes = _nbytes(args, kwargs)
             start = time.perf_counter()
             healing = inst.probe.healing
@@ -207,6 +222,18 @@ class TorchInstrumentation:
             return result
 
         return wrapper
+
+    def _wrap_backward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        manual = self.manual
+
+        @functools.wraps(fn)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            if manual is not None:
+                manual.on_backward()  # gradients are ready: an all_reduce of them until the step is gradient sync
+            return result
+
+        return backward
 
     def _refuse(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -280,6 +307,8 @@ class TorchInstrumentation:
                 raise NotHealable("dsec healing carries the gradient sync itself: a user comm hook cannot be used")
             self._dsec_hooked = True
             inst.probe.actuators.collectives_locked = True
+            for field in ("compression_bits", "grad_accum_steps"):
+                inst.probe.actuators.refuse(field, "a user comm hook controls this DDP model's gradient sync")
             inst.probe.event(
                 "alert",
                 reason="user_comm_hook",
@@ -361,6 +390,8 @@ class TorchInstrumentation:
         def init(opt: Any, *args: Any, **kwargs: Any) -> None:
             fn(opt, *args, **kwargs)
             inst.probe.replicas.add_optimizer(opt)
+            if inst.manual is not None:
+                inst.manual.add_optimizer(opt)
             inst._snapshots("on_optimizer", opt)
             # Instance attributes shadow the class's step/zero_grad: only while accumulating do they
             # skip. They stay bound methods because LR schedulers re-wrap ``opt.step.__func__``.
@@ -383,6 +414,8 @@ class TorchInstrumentation:
         opt._dsec_step_start = time.perf_counter()
 
     def _post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self.manual is not None:
+            self.manual.on_step()
         start = getattr(opt, "_dsec_step_start", None)
         if start is None:
             return

@@ -1,0 +1,1 @@
+../src/dsec/data/a2c_cartpole_allreduce.py
