@@ -12,6 +12,9 @@ admin token; a run belongs to the pool of its first request.
 - ``POST fail`` — the epoch is broken (a member's collective failed, or a supervisor saw ``dead_rank`` exit).
 - ``POST leave`` — a member finished cleanly.
 - ``GET watch?since=V`` — long-poll until the group's version passes ``V``: epoch, phase, waiting replacements.
+  A run's versions start at its creation time in milliseconds, so a restarted control plane's are above the
+  previous one's and a member's ``V`` from before the restart is answered at once (as is any ``V`` above the
+  current version).
 - ``GET`` — the group's state (admin or the run's pool).
 
 Every formed epoch, failure, admission and fencing is recorded as a ``heal`` event (``data.run``); at start the
@@ -123,6 +126,7 @@ class _Run:
     group_name: str
     group: Group
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # Start: HealRegistry.first_version() (above any version a previous control plane handed out).
     version: int = 1
 
 
@@ -160,8 +164,16 @@ class HealRegistry:
         r = self.runs.get(run)
         if r is None:
             g = Group(world=world, join_timeout_s=self.join_timeout_s, epoch=self._epochs.get(run, 0))
-            r = self.runs[run] = _Run(run, pool, group, g)
+            r = self.runs[run] = _Run(run, pool, group, g, version=self.first_version())
         return r
+
+    def first_version(self) -> int:
+        """A new run's first version: the time in milliseconds. A member watching across a control-plane restart
+        holds a version of the previous control plane's; counting from 1 again, this one would keep its watch
+        waiting (up to the poll time) for the version to pass it while the group broke, and the member (blocked in
+        a collective with a live peer) would join too late. Starting above it (a previous control plane cannot have
+        made more changes than milliseconds passed) answers its watch at once, with the group as it is now."""
+        return max(1, int(self._clock() * 1000))
 
     @staticmethod
     def _authorize(r: _Run | None, pool: str | None, token_pool: str | None, admin: bool) -> None:
@@ -356,7 +368,8 @@ class HealRegistry:
         gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> dict[str, Any]:
         r = self._get(run, token_pool, admin)
-        await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s), gone)
+        if since <= r.version:  # above it: a version this control plane never handed out, answered at once
+            await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s), gone)
         return {"version": r.version, **r.group.view()}
 
     def state(self, run: str, token_pool: str | None, admin: bool) -> dict[str, Any]:
