@@ -115,6 +115,26 @@ def test_epochs_never_repeat_across_a_restart(server_factory: Callable[..., Harn
     assert got[0][0] == 200 and got[0][1]["plan"]["epoch"] == 3
 
 
+def test_a_watch_from_before_a_restart_is_answered_at_once(server_factory: Callable[..., Harness]) -> None:
+    """A member blocked in a collective learns that its epoch broke from its watch: the version it holds from the
+    previous control plane must not keep its watch waiting on the restarted one."""
+    first = server_factory(pools=True)
+    _join_all(first, "r5", {0: {"incarnation": "d0"}, 1: {"incarnation": "d1"}})
+    h = {"Authorization": f"Bearer {first.pool_tokens['pool-a']}"}
+    with httpx.Client(base_url=first.url, timeout=30) as c:
+        before = c.get("/v1/heal/r5/watch", params={"since": 0}, headers=h).json()["version"]
+    settings, port = first.settings, first.port
+    first.close()
+    second = server_factory(settings=settings, port=port)
+    second.admin.request("POST", "/v1/heal/r5/fail", json={"epoch": 1, "pool": "pool-a", "world": 2})
+    with httpx.Client(base_url=second.url, timeout=30) as c:
+        for since in (before, 2**53):  # the previous control plane's version; one no control plane handed out
+            t0 = time.monotonic()
+            r = c.get("/v1/heal/r5/watch", params={"since": since, "timeout": 10}, headers=h)
+            assert r.status_code == 200 and time.monotonic() - t0 < 3, (since, r.text)
+        assert r.json()["version"] > before and r.json()["epoch"] == 1
+
+
 @pytest.mark.parametrize("path", ["admit", "leave"])
 def test_unknown_runs_are_refused_before_anything_is_looked_up(server: Harness, path: str) -> None:
     with httpx.Client(base_url=server.url, timeout=10) as c:

@@ -72,7 +72,7 @@ def test_every_problem_is_reported_in_file_order(tmp_path: Path) -> None:
     )
     p, probs = problems(tmp_path, text)
     assert probs == [
-        f"{p}:3:5: pools[0].memory_base_gb: Input should be a valid number, unable to parse string as a number",
+        f"{p}:3:5: pools[0].memory_base_gb: Input should be a valid number",
         f"{p}:4:5: pools[0].colour: Extra inputs are not permitted",
         f"{p}:8:5: devices[0].numa_node: Input should be greater than or equal to -1",
     ]

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -21,7 +22,7 @@ from dsec.control import auth, errors
 from dsec.control.auth import bearer
 from dsec.control.deps import ADMIN_ONLY, Auth, PoolName, TokenId, WorkerId
 from dsec.control.deps import cp_of as _cp
-from dsec.control.errors import ApiError
+from dsec.control.errors import STATUS_REASONS, ApiError, ErrorBody, documented
 from dsec.control.healing import HealRegistry, epochs_from_store, heal_routes
 from dsec.control.http import (
     JSON,
@@ -30,6 +31,7 @@ from dsec.control.http import (
     http_exception_handler,
     model_error_handler,
     request_validation_handler,
+    store_error_handler,
 )
 from dsec.control.ingest import HeartbeatShortcut, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
@@ -49,7 +51,7 @@ from dsec.control.schemas import (
 )
 from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
-from dsec.control.store import EventQuery, Store, open_store
+from dsec.control.store import EventQuery, Store, StoreError, open_store
 from dsec.fsutil import private_dir
 from dsec.model import Device, DeviceHealth, Event, EventType, ModelError, Pool, PoolThresholds, WorkerState
 from dsec.scheduler.placement import job_from_dict
@@ -90,16 +92,19 @@ def load_cluster(path: Any) -> tuple[list[Pool], list[Device]]:
 
 
 def worker_routes() -> APIRouter:
-    r = APIRouter(prefix="/v1/workers", tags=["workers"])
+    # Every route here checks a token and is rate limited (heartbeats: by their event budget); what else a route can
+    # answer is on the route. 422 and 413 are added to every route with input by _contract_openapi.
+    r = APIRouter(prefix="/v1/workers", tags=["workers"], responses=documented(401, 403, 429))
     admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
 
-    @r.post("/register", status_code=201)
+    @r.post("/register", status_code=201, responses=documented(404, 503))
     async def register(body: RegisterRequest, request: Request, authorization: Auth = None) -> Response:
         """Register a worker with a pool token; answers its id, its own token and its first directive."""
         return JSON(await _cp(request).register(body, bearer(authorization)), status_code=201)
 
     @r.post(
         "/{worker_id}/heartbeat",
+        responses=documented(404, 409, 503),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -116,7 +121,7 @@ def worker_routes() -> APIRouter:
         )
         return JSON(answer, status_code=status)
 
-    @r.post("/{worker_id}/deregister")
+    @r.post("/{worker_id}/deregister", responses=documented(404, 503))
     async def deregister(
         worker_id: WorkerId,
         request: Request,
@@ -143,19 +148,19 @@ def worker_routes() -> APIRouter:
         ws.sort(key=lambda w: (w["pool"], w["group"], w["rank"], w["id"]))
         return JSON({"items": ws})
 
-    @r.get("/{worker_id}")
+    @r.get("/{worker_id}", responses=documented(404))
     async def get_worker(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
         cp.require_read(bearer(authorization))
         return JSON(cp.worker_api(cp.worker_for(worker_id, bearer(authorization), read=True)))
 
-    @r.get("/{worker_id}/directive")
+    @r.get("/{worker_id}/directive", responses=documented(404))
     async def get_directive(worker_id: WorkerId, request: Request, authorization: Auth = None) -> Response:
         """Desired vs acked directive of one worker (the worker itself may read it too)."""
         cp = _cp(request)
         return JSON(cp.directive_api(cp.worker_for(worker_id, bearer(authorization), read=True)))
 
-    @admin.patch("/{worker_id}/directive")
+    @admin.patch("/{worker_id}/directive", responses=documented(404, 409, 503))
     async def patch_directive(
         worker_id: WorkerId, body: DirectivePatch, request: Request, authorization: Auth = None
     ) -> Response:
@@ -173,8 +178,9 @@ def worker_routes() -> APIRouter:
 
 
 def admin_routes() -> APIRouter:
-    r = APIRouter(prefix="/v1", tags=["admin"])  # read routes (admin or read-only token)
-    admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
+    r = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 429))  # read routes: admin or read token
+    # admin token checked before anything else; every admin route writes to (or reads) the store: 503 when it fails
+    admin = APIRouter(dependencies=ADMIN_ONLY, responses=documented(503))
 
     @r.get("/pools")
     async def list_pools(request: Request, authorization: Auth = None) -> Response:
@@ -182,7 +188,7 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON({"items": [p.to_dict() for p in sorted(cp.state.pools.values(), key=lambda p: p.name)]})
 
-    @r.get("/pools/{name}")
+    @r.get("/pools/{name}", responses=documented(404))
     async def get_pool(name: PoolName, request: Request, authorization: Auth = None) -> Response:
         cp = _cp(request)
         cp.require_read(bearer(authorization))
@@ -197,7 +203,7 @@ def admin_routes() -> APIRouter:
         cp = _cp(request)
         return JSON((await cp.put_pool(pool_from_spec(name, body))).to_dict())
 
-    @admin.delete("/pools/{name}", status_code=204)
+    @admin.delete("/pools/{name}", status_code=204, responses=documented(404, 409))
     async def delete_pool(name: PoolName, request: Request) -> Response:
         cp = _cp(request)
         await cp.delete_pool(name)
@@ -211,12 +217,13 @@ def admin_routes() -> APIRouter:
 
     @admin.put("/devices/{device_id}")
     async def put_device(device_id: PoolName, body: DeviceSpec, request: Request) -> Response:
+        """Create or replace a device; the body's ``id`` must be the path's ``device_id`` (422 naming ``id``)."""
         cp = _cp(request)
         if body.id != device_id:
             raise ApiError(422, "invalid", f"id {body.id!r} differs from the path's {device_id!r}", "id")
         return JSON((await cp.put_device(device_from_spec(body))).to_dict())
 
-    @r.get("/events")
+    @r.get("/events", responses=documented(503))
     async def list_events(
         request: Request,
         authorization: Auth = None,
@@ -225,7 +232,8 @@ def admin_routes() -> APIRouter:
         type: Annotated[list[EventType] | None, Query()] = None,
         since: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
         until: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
-        cursor: Annotated[int, Query(ge=0, description="next_cursor of the previous page")] = 0,
+        # Event ids are SQLite/PostgreSQL 64-bit integers: a larger cursor is a 422, not an overflow in the driver.
+        cursor: Annotated[int, Query(ge=0, le=2**63 - 1, description="next_cursor of the previous page")] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> Response:
         """Events filtered by worker, pool, type and time range [since, until); keyset-paginated."""
@@ -244,7 +252,7 @@ def admin_routes() -> APIRouter:
         next_cursor = items[-1].id if len(items) == limit else None
         return JSON({"items": [e.to_dict() for e in items], "next_cursor": next_cursor})
 
-    @admin.post("/tokens", status_code=201)
+    @admin.post("/tokens", status_code=201, responses=documented(404))
     async def create_token(body: TokenCreate, request: Request) -> Response:
         """Create a pool (worker registration), read-only or admin token. The token is shown once; only its hash is
         kept; ``id`` names it for ``DELETE /v1/tokens/{id}``."""
@@ -259,7 +267,7 @@ def admin_routes() -> APIRouter:
         cp = _cp(request)
         return JSON({"items": await cp.list_tokens()})
 
-    @admin.delete("/tokens/{token_id}", status_code=204)
+    @admin.delete("/tokens/{token_id}", status_code=204, responses=documented(404, 409))
     async def revoke_token(token_id: TokenId, request: Request) -> Response:
         """Revoke a token at once (requests with it answer 403). Workers registered with a revoked pool token keep
         their own worker tokens; deregister them to stop them."""
@@ -292,7 +300,7 @@ def admin_routes() -> APIRouter:
             ) from None
         return JSON(cp.policies.status())
 
-    @admin.post("/placements")
+    @admin.post("/placements", responses=documented(404))
     async def create_placement(body: PlacementRequest, request: Request) -> Response:
         """Place a job's worker groups on the inventory; answers every assignment with its score per term, the
         devices left out and why, and the workers that could not be placed."""
@@ -308,7 +316,7 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON({"items": [p.to_dict() for _, p in sorted(cp.scheduler.placements.items())]})
 
-    @r.get("/placements/{job}")
+    @r.get("/placements/{job}", responses=documented(404))
     async def get_placement(job: PoolName, request: Request, authorization: Auth = None) -> Response:
         """A placement and its explanation."""
         cp = _cp(request)
@@ -318,7 +326,7 @@ def admin_routes() -> APIRouter:
             raise errors.not_found("placement", job, "job")
         return JSON(placement.to_dict())
 
-    @admin.delete("/placements/{job}", status_code=204)
+    @admin.delete("/placements/{job}", status_code=204, responses=documented(404))
     async def delete_placement(job: PoolName, request: Request) -> Response:
         """Release a job's devices (the job ended)."""
         cp = _cp(request)
@@ -352,6 +360,15 @@ def admin_routes() -> APIRouter:
     return r
 
 
+class Readiness(BaseModel):
+    """GET /readyz: ready (with counts) or unavailable (with a reason that names no host, path or SQL)."""
+
+    status: str
+    reason: str | None = None
+    workers: int | None = None
+    pools: int | None = None
+
+
 def ops_routes() -> APIRouter:
     r = APIRouter(tags=["ops"])
 
@@ -360,7 +377,7 @@ def ops_routes() -> APIRouter:
         """Liveness: the process answers."""
         return JSON({"status": "ok", "version": __version__})
 
-    @r.get("/readyz")
+    @r.get("/readyz", responses={503: {"model": Readiness, "description": "the store or the writer thread is down"}})
     async def readyz(request: Request) -> Response:
         """Readiness: the store answers and the writer thread is alive."""
         cp = _cp(request)
@@ -374,7 +391,11 @@ def ops_routes() -> APIRouter:
             return JSON({"status": "unavailable", "reason": "writer thread stopped"}, status_code=503)
         return JSON({"status": "ready", "workers": len(cp.state.workers), "pools": len(cp.state.pools)})
 
-    @r.get("/metrics")
+    @r.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
     async def metrics(request: Request) -> Response:
         """Prometheus text exposition (registry owned by this app)."""
         return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -421,6 +442,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.add_exception_handler(RequestValidationError, request_validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)
     app.add_exception_handler(ModelError, model_error_handler)
+    app.add_exception_handler(StoreError, store_error_handler)
     app.include_router(ops_routes())
     app.include_router(worker_routes())
     app.include_router(admin_routes())
@@ -448,7 +470,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         if settings.heartbeat_shortcut
         else app
     )
-    _register_schema(app, HeartbeatRequest)
+    _contract_openapi(app, HeartbeatRequest)
     return app
 
 
@@ -457,21 +479,39 @@ def serve_target(app: FastAPI) -> Any:
     return getattr(app.state, "asgi", app)
 
 
-def _register_schema(app: FastAPI, model: type[Any]) -> None:
-    """Add a model to the OpenAPI components (for routes that read their body themselves)."""
+def _contract_openapi(app: FastAPI, *models: type[BaseModel]) -> None:
+    """The OpenAPI document as the server answers: ``models`` added to the components (routes that read their body
+    themselves), and on every operation the error statuses no route can forget: 422 (FastAPI lists it for any route
+    with input) carries our error body instead of FastAPI's, and a route with a body answers 413 over the cap."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = original()
-            defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(defs.pop("$defs", {}))
-            components[model.__name__] = defs
+            every: tuple[type[BaseModel], ...] = (*models, ErrorBody)
+            for model in every:
+                defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(defs.pop("$defs", {}))
+                components[model.__name__] = defs
+            for operations in schema.get("paths", {}).values():
+                for op in operations.values():
+                    _error_statuses(op)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _error_statuses(op: dict[str, Any]) -> None:
+    responses = op.setdefault("responses", {})
+    body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    if "422" in responses:
+        responses["422"] = {"description": STATUS_REASONS[422], "content": body}
+    if "requestBody" in op:
+        responses.setdefault("413", {"description": STATUS_REASONS[413], "content": body})
 
 
 async def _reconcile_forever(cp: ControlPlane) -> None:

@@ -12,6 +12,9 @@ admin token; a run belongs to the pool of its first request.
 - ``POST fail`` — the epoch is broken (a member's collective failed, or a supervisor saw ``dead_rank`` exit).
 - ``POST leave`` — a member finished cleanly.
 - ``GET watch?since=V`` — long-poll until the group's version passes ``V``: epoch, phase, waiting replacements.
+  A run's versions start at its creation time in milliseconds, so a restarted control plane's are above the
+  previous one's and a member's ``V`` from before the restart is answered at once (as is any ``V`` above the
+  current version).
 - ``GET`` — the group's state (admin or the run's pool).
 
 Every formed epoch, failure, admission and fencing is recorded as a ``heal`` event (``data.run``); at start the
@@ -30,13 +33,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.responses import Response
 
 from dsec.control import errors
 from dsec.control.auth import bearer
-from dsec.control.errors import ApiError
+from dsec.control.errors import ApiError, documented
 from dsec.control.http import JSON
+from dsec.control.schemas import Int, json_integer
 from dsec.control.store import EventQuery, Store
 from dsec.heal.membership import Fenced, Group, Invalid, Join, Phase
 from dsec.model import Event, EventType
@@ -49,49 +53,69 @@ ADDRESS_PATTERN = r"^[A-Za-z0-9._:\[\]-]{1,255}:[0-9]{1,5}$"
 MAX_WORLD = 65536
 
 Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
+# Optional integers carry their bounds inside (see schemas.SnapshotLevel for why).
+OptRank = Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD), BeforeValidator(json_integer)] | None
 Run = Annotated[str, Path(pattern=RUN_PATTERN)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @field_validator("rank", "dead_rank", check_fields=False)
+    @classmethod
+    def _rank_in_world(cls, rank: int | None, info: ValidationInfo) -> int | None:
+        """A rank the same body's world cannot hold (``world`` is declared first, so it is validated already)."""
+        world = info.data.get("world")
+        if rank is not None and world is not None and rank >= world:
+            raise ValueError(f"{info.field_name}={rank} is out of range for world={world}: expected < world")
+        return rank
+
 
 class JoinBody(_Body):
+    """``rank`` < ``world`` (422 naming rank); a world other than the run's is a 409 naming world."""
+
     pool: str = Field(..., min_length=1, max_length=128)
     group: str = Field("default", min_length=1, max_length=128)
-    world: int = Field(..., ge=1, le=MAX_WORLD)
-    rank: int = Field(..., ge=0, lt=MAX_WORLD)
+    world: Int = Field(..., ge=1, le=MAX_WORLD)
+    rank: Int = Field(..., ge=0, lt=MAX_WORLD, description="< world")
     incarnation: str = Field(..., pattern=INCARNATION_PATTERN)
     address: str = Field(..., pattern=ADDRESS_PATTERN)
-    completed: int = Field(0, ge=0)
-    epoch: int = Field(0, ge=0)
-    view: list[int] = Field(default_factory=list, max_length=MAX_WORLD)
+    completed: Int = Field(0, ge=0, le=2**53)  # bounded: they are stored in event data (JSON, 64-bit at most)
+    epoch: Int = Field(0, ge=0, le=2**53)
+    view: list[Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD), BeforeValidator(json_integer)]] = Field(
+        default_factory=list, max_length=MAX_WORLD
+    )
     replacement: bool = False
     device: str | None = Field(None, max_length=128)
     pending: str | None = Field(None, max_length=200)
 
 
 class AdmitBody(_Body):
-    rank: int = Field(..., ge=0, lt=MAX_WORLD)
+    rank: Int = Field(..., ge=0, lt=MAX_WORLD)
     incarnation: str = Field(..., pattern=INCARNATION_PATTERN)
-    epoch: int = Field(..., ge=1)
-    completed: int = Field(..., ge=0)
+    epoch: Int = Field(..., ge=1, le=2**53)
+    completed: Int = Field(..., ge=0, le=2**53)
 
 
 class FailBody(_Body):
-    epoch: int | None = Field(None, ge=0)  # None: the current one (a supervisor does not know epochs)
-    rank: int | None = Field(None, ge=0, lt=MAX_WORLD)  # the reporter, when it is a member
+    """With ``world``, ``rank`` and ``dead_rank`` are < world (422); a dead_rank the run's world cannot hold: 409."""
+
+    # declared first: the rank checks read it
+    world: Annotated[int, Field(strict=True, ge=1, le=MAX_WORLD), BeforeValidator(json_integer)] | None = None
+    # None: the current one (a supervisor does not know epochs)
+    epoch: Annotated[int, Field(strict=True, ge=0, le=2**53), BeforeValidator(json_integer)] | None = None
+    rank: OptRank = None  # the reporter, when it is a member
     incarnation: str | None = Field(None, pattern=INCARNATION_PATTERN)
-    dead_rank: int | None = Field(None, ge=0, lt=MAX_WORLD)
+    dead_rank: OptRank = None
     dead_incarnation: str | None = Field(None, pattern=INCARNATION_PATTERN)
-    dead_pid: int | None = Field(None, ge=1, le=2**31)  # the exited process (a supervisor knows its pid)
+    # the exited process (a supervisor knows its pid)
+    dead_pid: Annotated[int, Field(strict=True, ge=1, le=2**31), BeforeValidator(json_integer)] | None = None
     reason: str = Field("", max_length=500)
     pool: str | None = Field(None, min_length=1, max_length=128)
-    world: int | None = Field(None, ge=1, le=MAX_WORLD)
 
 
 class LeaveBody(_Body):
-    rank: int = Field(..., ge=0, lt=MAX_WORLD)
+    rank: Int = Field(..., ge=0, lt=MAX_WORLD)
     incarnation: str = Field(..., pattern=INCARNATION_PATTERN)
 
 
@@ -102,6 +126,7 @@ class _Run:
     group_name: str
     group: Group
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # Start: HealRegistry.first_version() (above any version a previous control plane handed out).
     version: int = 1
 
 
@@ -139,8 +164,16 @@ class HealRegistry:
         r = self.runs.get(run)
         if r is None:
             g = Group(world=world, join_timeout_s=self.join_timeout_s, epoch=self._epochs.get(run, 0))
-            r = self.runs[run] = _Run(run, pool, group, g)
+            r = self.runs[run] = _Run(run, pool, group, g, version=self.first_version())
         return r
+
+    def first_version(self) -> int:
+        """A new run's first version: the time in milliseconds. A member watching across a control-plane restart
+        holds a version of the previous control plane's; counting from 1 again, this one would keep its watch
+        waiting (up to the poll time) for the version to pass it while the group broke, and the member (blocked in
+        a collective with a live peer) would join too late. Starting above it (a previous control plane cannot have
+        made more changes than milliseconds passed) answers its watch at once, with the group as it is now."""
+        return max(1, int(self._clock() * 1000))
 
     @staticmethod
     def _authorize(r: _Run | None, pool: str | None, token_pool: str | None, admin: bool) -> None:
@@ -200,6 +233,13 @@ class HealRegistry:
     def _fenced(exc: Fenced) -> ApiError:
         return ApiError(409, "fenced", str(exc), "incarnation")
 
+    @staticmethod
+    def _conflict(exc: Invalid, field: str | None = None) -> ApiError:
+        """A valid body the run's state refuses (another world size, a rank beyond it, an epoch ahead of it): 409,
+        not 422, since the same body is fine for another run. Without ``field``, the one the message starts with."""
+        head = str(exc).split("=", 1)[0].split(" ", 1)[0]
+        return errors.conflict(str(exc), field or (head if head in ("world", "rank", "epoch") else "body"))
+
     # -- operations ---------------------------------------------------------------------------------------------
     async def join(
         self,
@@ -233,7 +273,7 @@ class HealRegistry:
                 )
                 raise self._fenced(exc) from None
             except Invalid as exc:
-                raise ApiError(422, "invalid", str(exc), "body") from None
+                raise self._conflict(exc) from None
             await self._apply(r, notes)
 
         def formed() -> dict[str, Any] | None:
@@ -305,7 +345,7 @@ class HealRegistry:
                 reason=body.reason,
             )
         except Invalid as exc:
-            raise ApiError(422, "invalid", str(exc), "dead_rank") from None
+            raise self._conflict(exc, "dead_rank") from None
         await self._apply(r, notes)
         return {"status": "ok", "view": r.group.view(), "version": r.version}
 
@@ -314,7 +354,7 @@ class HealRegistry:
         try:
             notes = r.group.leave(body.rank, body.incarnation)
         except Invalid as exc:
-            raise ApiError(422, "invalid", str(exc), "rank") from None
+            raise self._conflict(exc, "rank") from None
         await self._apply(r, notes)
         return {"status": "ok"}
 
@@ -328,7 +368,8 @@ class HealRegistry:
         gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> dict[str, Any]:
         r = self._get(run, token_pool, admin)
-        await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s), gone)
+        if since <= r.version:  # above it: a version this control plane never handed out, answered at once
+            await self._wait(r, lambda: r.version > since, min(timeout, self.poll_s), gone)
         return {"version": r.version, **r.group.view()}
 
     def state(self, run: str, token_pool: str | None, admin: bool) -> dict[str, Any]:
@@ -344,41 +385,52 @@ class HealRegistry:
         }
 
 
+_ANY_JSON = {"application/json": {"schema": {"type": "object"}}}
+
+
 def heal_routes(registry: Callable[[Request], HealRegistry], lookup: Callable[[Request, str | None], Any]) -> APIRouter:
     """``lookup(request, token)`` -> (pool of the token or None, is admin)."""
-    r = APIRouter(prefix="/v1/heal", tags=["healing"])
+    # Not rate limited (see ratelimit.py); every route checks a token.
+    r = APIRouter(prefix="/v1/heal", tags=["healing"], responses=documented(401, 403))
+    # Routes that look an existing run up (404 to an admin token), and those that record heal events (503).
+    lookup_run, records = documented(404), documented(503)
 
     def tokens(request: Request, token: str | None) -> Any:
         if token is None:
             raise errors.unauthorized()
         return lookup(request, token)
 
-    @r.post("/{run}/join")
+    @r.post(
+        "/{run}/join",
+        responses={202: {"description": "no epoch formed within the poll: join again", "content": _ANY_JSON}}
+        | documented(409)
+        | records,
+    )
     async def join(run: Run, body: JoinBody, request: Request, authorization: Auth = None) -> Response:
         """Join the next epoch of a healing group (long-poll: 200 with the plan, or 202 to ask again)."""
         pool, admin = tokens(request, bearer(authorization))
         status, out = await registry(request).join(run, body, pool, admin, request.is_disconnected)
         return JSON(out, status_code=status)
 
-    @r.post("/{run}/admit")
+    @r.post("/{run}/admit", responses={**documented(409), **lookup_run, **records})
     async def admit(run: Run, body: AdmitBody, request: Request, authorization: Auth = None) -> Response:
         """A member reached the agreed admission point (long-poll: the new epoch's plan, broken, or void)."""
         pool, admin = tokens(request, bearer(authorization))
         return JSON(await registry(request).admit(run, body, pool, admin, request.is_disconnected))
 
-    @r.post("/{run}/fail")
+    @r.post("/{run}/fail", responses={**documented(409), **records})
     async def fail(run: Run, body: FailBody, request: Request, authorization: Auth = None) -> Response:
         """Report the epoch broken: a member's collective failed, or a supervisor saw ``dead_rank`` exit."""
         pool, admin = tokens(request, bearer(authorization))
         return JSON(await registry(request).fail(run, body, pool, admin))
 
-    @r.post("/{run}/leave")
+    @r.post("/{run}/leave", responses={**documented(409), **lookup_run, **records})
     async def leave(run: Run, body: LeaveBody, request: Request, authorization: Auth = None) -> Response:
         """A member finished cleanly; its exit is not a failure."""
         pool, admin = tokens(request, bearer(authorization))
         return JSON(await registry(request).leave(run, body, pool, admin))
 
-    @r.get("/{run}/watch")
+    @r.get("/{run}/watch", responses=lookup_run)
     async def watch(
         run: Run,
         request: Request,
@@ -390,7 +442,7 @@ def heal_routes(registry: Callable[[Request], HealRegistry], lookup: Callable[[R
         pool, admin = tokens(request, bearer(authorization))
         return JSON(await registry(request).watch(run, since, pool, admin, timeout, request.is_disconnected))
 
-    @r.get("/{run}")
+    @r.get("/{run}", responses=lookup_run)
     async def state(run: Run, request: Request, authorization: Auth = None) -> Response:
         """The group's membership, epoch and plan."""
         pool, admin = tokens(request, bearer(authorization))

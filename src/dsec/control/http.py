@@ -6,6 +6,9 @@ task and a stream copy, which matters at 10k heartbeats/s.
 
 from __future__ import annotations
 
+import functools
+import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -15,10 +18,13 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsec.control.errors import ApiError
 from dsec.control.metrics import ControlPlaneMetrics
+
+log = logging.getLogger(__name__)
 
 
 class JSON(Response):
@@ -65,21 +71,60 @@ async def api_error_handler(_request: Request, exc: Exception) -> Response:
     return JSON(err.body(), status_code=err.status)
 
 
-async def http_exception_handler(_request: Request, exc: Exception) -> Response:
+async def http_exception_handler(request: Request, exc: Exception) -> Response:
     """Starlette/FastAPI's own HTTP errors (unknown route, wrong method, unparsable body) in our shape."""
     err = cast(StarletteHTTPException, exc)
-    codes = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}
-    field = "body" if err.status_code == 400 else None
-    detail = str(err.detail)
-    if err.status_code == 400 and "parsing the body" in detail:
-        detail = "request body could not be parsed (it must be UTF-8 JSON)"
+    status, detail = err.status_code, str(err.detail)
+    headers = dict(getattr(err, "headers", None) or {})
+    if status == 400 and "parsing the body" in detail:
+        # A body that is not UTF-8 JSON is malformed JSON: the documented 422 naming the body, not an undocumented 400.
+        status, detail = 422, "request body could not be parsed (it must be UTF-8 JSON)"
+    elif status == 405:
+        # Starlette's Allow names the methods of the one route it matched; a path served by several routes (GET and
+        # PUT /v1/pools/{name}) must list them all (RFC 9110 section 15.5.6): those the OpenAPI document gives it.
+        allowed = allowed_methods(request.app.openapi(), request.url.path)
+        if allowed:
+            headers["Allow"] = ", ".join(allowed)
+    codes = {404: "not_found", 405: "method_not_allowed", 422: "invalid"}
     body: dict[str, Any] = {
-        "error": codes.get(err.status_code, "http_error"),
+        "error": codes.get(status, "http_error"),
         "message": detail,
-        "field": field,
+        "field": "body" if status == 422 else None,
         "details": [],
     }
-    return JSON(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+    return JSON(body, status_code=status, headers=headers or None)
+
+
+def allowed_methods(openapi: dict[str, Any], path: str) -> list[str]:
+    """The methods the document lists for the path templates ``path`` matches. From the document, not the router:
+    FastAPI's included routers are internal structures, and the document is the contract the header states."""
+    matching = [(t, ops) for t, ops in openapi.get("paths", {}).items() if _template_regex(t).match(path)]
+    if not matching:
+        return []
+    # The most specific templates name the resource: /v1/workers/register, not /v1/workers/{worker_id}.
+    fewest = min(t.count("{") for t, _ in matching)
+    return sorted({m.upper() for t, ops in matching if t.count("{") == fewest for m in ops if m in _HTTP_METHODS})
+
+
+_HTTP_METHODS = frozenset({"get", "put", "post", "delete", "patch", "head", "options", "trace"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _template_regex(template: str) -> re.Pattern[str]:
+    return compile_path(template)[0]
+
+
+async def store_error_handler(_request: Request, exc: Exception) -> Response:
+    """A store that fails under a route (a read the writer does not guard): the documented 503, not a 500. The
+    store's error names hosts, paths and SQL: it goes to the log, not to the caller."""
+    log.error("state store error under a request: %s", exc)
+    body: dict[str, Any] = {
+        "error": "unavailable",
+        "message": "state store unavailable, retry later",
+        "field": None,
+        "details": [],
+    }
+    return JSON(body, status_code=503)
 
 
 async def model_error_handler(_request: Request, exc: Exception) -> Response:

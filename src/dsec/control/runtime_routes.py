@@ -12,7 +12,7 @@ from dsec.control import auth, errors
 from dsec.control.auth import bearer
 from dsec.control.deps import ADMIN_ONLY, Auth, WorkerId, cp_of
 from dsec.control.egress import check_callback_url
-from dsec.control.errors import ApiError
+from dsec.control.errors import ApiError, documented
 from dsec.control.http import JSON
 from dsec.control.runtimes import Runtime
 from dsec.control.schemas import PolicyPush, RuntimeRegister, RuntimeReport
@@ -54,10 +54,11 @@ def _runtime(cp: ControlPlane, runtime_id: str) -> Runtime:
 
 
 def runtime_routes() -> APIRouter:
-    r = APIRouter(prefix="/v1/runtimes", tags=["runtimes"])  # each route checks its own mix of tokens
+    # each route checks its own mix of tokens; all are rate limited
+    r = APIRouter(prefix="/v1/runtimes", tags=["runtimes"], responses=documented(401, 403, 429))
     admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
 
-    @r.post("", status_code=201)
+    @r.post("", status_code=201, responses=documented(404, 503))
     async def register_runtime(body: RuntimeRegister, request: Request, authorization: Auth = None) -> Response:
         """Register an agent runtime (admin token, or a pool token for its own pool and an allow-listed callback
         host); answers its runtime token, shown once."""
@@ -75,7 +76,7 @@ def runtime_routes() -> APIRouter:
         )
         return JSON({**rt.to_api(), "runtime_token": runtime_token}, status_code=201)
 
-    @r.post("/{runtime_id}/report")
+    @r.post("/{runtime_id}/report", responses=documented(404, 503))
     async def runtime_report(
         runtime_id: WorkerId, body: RuntimeReport, request: Request, authorization: Auth = None
     ) -> Response:
@@ -102,7 +103,7 @@ def runtime_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON({"items": [rt.to_api() for rt in sorted(cp.runtimes.runtimes.values(), key=lambda r: r.id)]})
 
-    @admin.delete("/{runtime_id}", status_code=204)
+    @admin.delete("/{runtime_id}", status_code=204, responses=documented(404, 503))
     async def delete_runtime(runtime_id: WorkerId, request: Request) -> Response:
         """Forget a runtime: its token stops working, its pending deliveries fail."""
         cp = cp_of(request)
@@ -110,7 +111,7 @@ def runtime_routes() -> APIRouter:
             raise errors.not_found("runtime", runtime_id, "runtime_id")
         return Response(status_code=204)
 
-    @admin.post("/{runtime_id}/policies", status_code=202)
+    @admin.post("/{runtime_id}/policies", status_code=202, responses=documented(404))
     async def push_policy(runtime_id: WorkerId, body: PolicyPush, request: Request) -> Response:
         """Push a policy to a runtime's callback: signed, retried with backoff; answers the delivery to follow."""
         cp = cp_of(request)
@@ -118,7 +119,7 @@ def runtime_routes() -> APIRouter:
         d = cp.runtimes.push(rt.id, body.model_dump())
         return JSON(d.to_api(), status_code=202)
 
-    @admin.get("/{runtime_id}/deliveries")
+    @admin.get("/{runtime_id}/deliveries", responses=documented(404))
     async def runtime_deliveries(runtime_id: WorkerId, request: Request) -> Response:
         """The delivery log: every push with its attempts (time, HTTP status or error, duration, bytes read) and
         outcome. Admin only: answers come from hosts outside the control plane."""

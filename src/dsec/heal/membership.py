@@ -21,7 +21,10 @@ one at a time and in the same order on every member, so each member can say how 
 - **Fencing.** Every request names the member's rank, *incarnation* (one per process) and epoch. A rank is held by
   one incarnation; a request from another incarnation of a rank whose holder is alive, or from an incarnation
   declared dead, is refused (:class:`Fenced`): that process must stop, it cannot rejoin an old epoch. Epoch numbers
-  only grow; the executor persists the highest one so a restarted control plane never reuses a number.
+  only grow; the executor persists the highest one so a restarted control plane never reuses a number. A group
+  rebuilt after such a restart knows the ranks of a member's view without their incarnations: a replacement for
+  one of them declares it dead (replacements are started once the rank's process exited), and an original member
+  the group re-formed without is refused by its epoch (older than the group's) instead of its incarnation.
 
 Everything here is a function of (state, request, now): the control plane (control/healing.py) does the waiting,
 the persistence and the I/O.
@@ -184,9 +187,21 @@ class Group:
         self._fence(j.rank, j.incarnation)
         if j.replacement or j.rank not in self.members:
             if j.rank in self.members and j.rank not in self.dead:
-                raise Fenced(f"rank {j.rank} is still a live member of epoch {self.epoch}")
+                if self.members[j.rank].incarnation != UNKNOWN:
+                    raise Fenced(f"rank {j.rank} is still a live member of epoch {self.epoch}")
+                # Held only in a peer's view (the executor restarted, so its process is unknown): a replacement is
+                # started once the rank's process exited, so the rank is dead and the survivors need not wait for it
+                # (nor its join timeout).
+                self.dead[j.rank] = UNKNOWN
+            elif not j.replacement and 0 < j.epoch < self.epoch:
+                # An original member the group re-formed without (declared dead while the executor knew it only
+                # from a peer's view, so not by its incarnation): its process is behind the group, it must stop.
+                raise Fenced(
+                    f"rank {j.rank} belongs to epoch {j.epoch}; the group reached epoch {self.epoch} without it"
+                )
             self.joiners[j.rank] = j
             notes.append({"what": "waiting", "rank": j.rank, "incarnation": j.incarnation, "epoch": self.epoch})
+            notes.extend(self._maybe_form(now))
             return notes
         if self.phase in (Phase.STABLE, Phase.ADMITTING):
             # It saw its collective fail before anyone told us: the epoch is broken.

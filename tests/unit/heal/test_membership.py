@@ -139,6 +139,31 @@ def test_a_lost_group_is_rebuilt_from_a_members_view() -> None:
         stale.join(_join(0, completed=1, epoch=5, view=(0, 1, 2)), now=1.0)
 
 
+def test_after_a_rebuild_a_replacement_declares_its_rank_dead_and_a_member_left_behind_is_fenced() -> None:
+    # The executor restarted while rank 1 died: rank 0's view rebuilds the group with ranks whose processes it
+    # does not know. Rank 1's replacement joins first: it is not fenced by the unknown holder, the rank is dead.
+    g = Group(world=3, epoch=4, join_timeout_s=2.0)
+    assert g.join(_join(0, completed=9, epoch=4, view=(0, 1, 2)), now=1.0)[0]["what"] == "broken"
+    notes = g.join(_join(1, inc="p1-new", replacement=True), now=1.1)
+    assert notes[0]["what"] == "waiting" and g.view()["joiners"] == [1] and g.view()["dead"] == [1]
+    # So the survivors form as soon as they are in, without the join timeout.
+    plan = _formed(g.join(_join(2, completed=9, epoch=4, view=(0, 1, 2)), now=1.2))
+    assert plan.epoch == 5 and plan.members == (0, 2) and plan.dead == (1,)
+    # The replacement is admitted as usual.
+    assert g.admit(0, "p0", epoch=5, completed=20, now=1.3) == []
+    plan = _formed(g.admit(2, "p2", epoch=5, completed=20, now=1.3))
+    assert plan.epoch == 6 and plan.members == (0, 1, 2) and plan.joiners == (1,)
+    # A survivor too slow for the join timeout was declared dead without its incarnation: it is fenced by its epoch.
+    g = Group(world=3, epoch=4, join_timeout_s=2.0)
+    g.join(_join(0, completed=9, epoch=4, view=(0, 1, 2)), now=1.0)
+    g.join(_join(1, completed=9, epoch=4, view=(0, 1, 2)), now=1.0)
+    assert _formed(g.tick(now=3.0)).members == (0, 1)
+    with pytest.raises(Fenced, match="reached epoch 5 without it"):
+        g.join(_join(2, completed=9, epoch=4, view=(0, 1, 2)), now=4.0)
+    # Its replacement is a joiner as usual.
+    assert g.join(_join(2, inc="p2-new", replacement=True), now=4.5)[0]["what"] == "waiting"
+
+
 def test_members_that_left_cleanly_are_not_waited_for() -> None:
     g = _started(3)
     assert g.leave(2, "p2")[0]["what"] == "left"
