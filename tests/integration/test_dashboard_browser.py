@@ -25,6 +25,19 @@ REPO = Path(__file__).resolve().parents[2]
 # Read at import: the autouse _clean_environ fixture hides DSEC_* variables from the tests themselves.
 SCREENSHOTS = Path(os.environ.get("DSEC_SCREENSHOT_DIR") or REPO / "build" / "screenshots")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# A rule that tightens the pool's latency cap after a meltdown: its action shows in the page with its audit text.
+POLICY = """
+policies:
+  - name: tighten-latency-cap-on-meltdown
+    when: dsec_melt_down_count > 0
+    scope: {pools: ["pool-a"]}
+    then:
+      - knob: latency_cap_ms
+        by: -10
+    bounds:
+      latency_cap_ms: {min: 60}
+    cooldown: 1h
+"""
 FAST_BREAKER = BreakerConfig(window_s=1.0, min_samples=3, recovery_s=30.0, max_recovery_s=60.0)
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (the dev extra installs it)")
@@ -68,6 +81,14 @@ class Beats:
             "memory_used_gb": 2.5,
         }
 
+    def events(self, seq: int) -> list[dict[str, Any]]:
+        """A restore at the start and a snapshot now and then, as the probe reports them."""
+        if seq == 1:
+            return [{"type": "restore", "data": {"status": "ok", "step": 0, "restore_s": 0.42}}]
+        if seq % 40 == 0:
+            return [{"type": "snapshot", "data": {"status": "ok", "step": seq, "blocking_s": 0.004, "write_s": 0.05}}]
+        return []
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -78,6 +99,7 @@ class Beats:
                         self.seq[wid],
                         acked_directive_version=self.acked[wid],
                         metrics=self.metrics(wid, self.seq[wid]),
+                        events=self.events(self.seq[wid]),
                     )
                     if answer.get("directive"):
                         self.acked[wid] = int(answer["directive"]["version"])
@@ -99,8 +121,10 @@ class Beats:
 
 @pytest.fixture
 def cp(server_factory: Callable[..., Harness], tmp_path: Path) -> Harness:
-    h: Harness = server_factory(settings=make_settings(tmp_path / "cp", judge=JudgeConfig(breaker=FAST_BREAKER)))
+    settings = make_settings(tmp_path / "cp", judge=JudgeConfig(breaker=FAST_BREAKER), policy_interval_s=0.25)
+    h: Harness = server_factory(settings=settings)
     h.create_pools()
+    h.admin.request("PUT", "/v1/policies", json={"text": POLICY, "source": "dashboard-test.yaml"})
     for i, health in enumerate(("healthy", "probation")):
         body = {"id": f"gpu-{i}", "node": "node-0", "model": "A100-80GB", "memory_gb": 80, "numa_node": i,
                 "nvlink_peers": [f"gpu-{1 - i}"], "health": health, "pool": "pool-a"}  # fmt: skip
@@ -172,6 +196,9 @@ def test_dashboard_shows_workers_and_updates_live_when_a_breaker_opens(cp: Harne
         assert page.get_attribute("#workers tbody tr:first-child", "data-worker") == slow_id
         assert "meltdown" in page.inner_text("#timeline")
         assert "probation" in page.inner_text('#devices tr[data-device="gpu-1"]')
+        page.wait_for_selector('#policy-actions li[data-type="policy_action"]', timeout=10_000)
+        assert "latency_cap_ms" in page.inner_text("#policy-actions")
+        assert "restore" in page.inner_text("#recoveries")
         page.wait_for_timeout(1500)  # a few more polls: the sparkline shows the latency over the cap
 
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)

@@ -383,6 +383,13 @@
       .join(", ");
   }
 
+  function compact(v) {
+    if (v === null || typeof v !== "object") return String(v);
+    return Object.entries(v)
+      .map(([k, x]) => `${k} ${x !== null && typeof x === "object" ? JSON.stringify(x) : isNum(x) ? fmt(x) : x}`)
+      .join("; ");
+  }
+
   function describe(e) {
     const d = e.data || {};
     switch (e.type) {
@@ -401,7 +408,7 @@
       case "policy_action":
         return (
           `rule ${d.rule} ${d.outcome}: ${d.knob} of ${d.scope} ${fmt(d.old)} → ${fmt(d.new)}` +
-          (d.evidence ? ` because ${typeof d.evidence === "string" ? d.evidence : JSON.stringify(d.evidence)}` : "") +
+          (d.evidence ? ` because ${compact(d.evidence)}` : "") +
           (d.detail ? ` (${d.detail})` : "")
         );
       case "policy":
@@ -418,6 +425,12 @@
       case "directive_set": {
         const changes = Object.entries(d.changes || {}).map(([k, v]) => `${k}=${v}`).join(", ");
         return `v${d.version ?? "?"} by ${d.by || "?"}: ${changes}`;
+      }
+      case "pool_changed": {
+        const spec = d.spec || {};
+        const th = spec.thresholds || {};
+        return `${d.created ? "created" : "changed"} by ${d.by || "?"}: latency cap ${fmt(th.latency_cap_ms)} ms, ` +
+          `bandwidth cap ${fmt(th.bandwidth_cap_mbps)} Mb/s, gpu quota ${spec.gpu_quota ?? "–"}`;
       }
       case "registered":
         return `${d.role || ""} ${d.group || ""}/${d.rank ?? ""}${d.host ? ` on ${d.host}` : ""}`.trim();
