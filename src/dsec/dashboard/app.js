@@ -57,6 +57,15 @@
     if (a !== 0 && (a >= 1e5 || a < 1e-3)) return x.toExponential(1);
     return Number(x.toFixed(digits)).toString();
   }
+  function bytes(n) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) {
+      n /= 1024;
+      i++;
+    }
+    return `${fmt(n, 1)} ${units[i]}`;
+  }
   const pct = (x, digits = 2) => (isNum(x) ? `${(x * 100).toFixed(digits)}%` : "–");
   const pad = (n) => String(n).padStart(2, "0");
   function clock(ts) {
@@ -374,7 +383,7 @@
     rejoined: "ok", registered: "info", policy_action: "info", recovery: "info", restore: "info",
     snapshot: "muted", webhook: "info", device: "warn",
   };
-  const QUIET = new Set(["directive_acked", "log"]); // shown only in their own panel, not the timeline
+  const QUIET = new Set(["directive_acked", "log", "snapshot"]); // acks, logs and periodic snapshots: not in the timeline
 
   function seconds(d) {
     return Object.entries(d)
@@ -419,9 +428,11 @@
       case "recovery":
         return `${d.job ? `job ${d.job} ` : ""}${d.mode ? `${d.mode} ` : ""}${seconds(d) || JSON.stringify(d)}`;
       case "snapshot":
-      case "restore":
-        return `${d.status || ""} ${d.step !== undefined ? `step ${d.step} ` : ""}${seconds(d)}`.trim() ||
-          JSON.stringify(d);
+      case "restore": {
+        const parts = [d.status, d.step !== undefined ? `step ${d.step}` : null, d.kind, d.mode,
+          isNum(d.bytes) ? bytes(d.bytes) : null, seconds(d)];
+        return parts.filter((p) => p !== undefined && p !== null && p !== "").join(" · ") || JSON.stringify(d);
+      }
       case "directive_set": {
         const changes = Object.entries(d.changes || {}).map(([k, v]) => `${k}=${v}`).join(", ");
         return `v${d.version ?? "?"} by ${d.by || "?"}: ${changes}`;
