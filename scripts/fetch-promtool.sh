@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Puts promtool (from Debian's prometheus package, unpacked, not installed: ~19 MB instead of ~330 MB)
-# into .venv/tools/bin for the metrics-format test. Best effort: without apt the test says why it skips.
+# Puts promtool and prometheus (from Debian's prometheus package, unpacked, not installed) into .venv/tools/bin for
+# the metrics-format test, the rule tests (deploy/prometheus) and the real-Prometheus scrape test. Best effort:
+# without apt the tests say why they skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=.venv/tools
-[ -x "$DEST/bin/promtool" ] && exit 0
+[ -x "$DEST/bin/promtool" ] && [ -x "$DEST/bin/prometheus" ] && exit 0
 command -v apt-get >/dev/null || { echo "apt-get not found; promtool test will skip" >&2; exit 0; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -17,3 +18,4 @@ dpkg-deb -x prometheus_*.deb root
 cd - >/dev/null
 mkdir -p "$DEST/bin"
 cp "$tmp/root/usr/bin/promtool" "$DEST/bin/promtool"
+cp "$tmp/root/usr/bin/prometheus" "$DEST/bin/prometheus"

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.dsec-setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh scripts/fetch-promtool.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/fetch-promtool.sh scripts/fetch-chromium.sh | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/dsec" ]; then
     exit 0
@@ -21,4 +21,5 @@ fi
 "${PIP[@]}" install -e ".[torch,gym,postgres,ray,sim,dev]" 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -c 'import dsec, torch, fastapi, gymnasium, matplotlib'
 bash scripts/fetch-promtool.sh
+bash scripts/fetch-chromium.sh
 echo "$want" > "$STAMP"

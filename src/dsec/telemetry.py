@@ -236,6 +236,14 @@ BREAKER_LEVEL = _server(
     "dsec_breaker_level", G, "level", "degradation in force (0 healthy .. 3 sampling paused)", WORKER, policy=True,
     prometheus=True,
 )  # fmt: skip
+WORKER_SYNC_LATENCY_SECONDS = _server(
+    "dsec_worker_sync_latency_seconds", G, "s",
+    "the breaker's latency signal: sync_cost_ms_p50, else sync_latency_ms_p50", WORKER, prometheus=True,
+)  # fmt: skip
+WORKER_LATENCY_CAP_SECONDS = _server(
+    "dsec_worker_latency_cap_seconds", G, "s", "latency cap in force (the worker's override, else its pool's)", WORKER,
+    prometheus=True,
+)  # fmt: skip
 WORKERS = _server("dsec_workers", G, "1", "registered workers by state", ("pool", "state"), prometheus=True)
 POOL_MEMORY_GB = _server(
     "dsec_pool_memory_gb", G, "GB", "pool memory: capacity, granted, used", ("pool", "kind"), prometheus=True

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from dsec import __version__
 from dsec.control import auth, errors
 from dsec.control.auth import bearer
+from dsec.control.dashboard import dashboard_routes
 from dsec.control.deps import ADMIN_ONLY, Auth, PoolName, TokenId, WorkerId
 from dsec.control.deps import cp_of as _cp
 from dsec.control.errors import STATUS_REASONS, ApiError, ErrorBody, documented
@@ -459,6 +460,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         )
     )
     app.include_router(runtime_routes())
+    app.include_router(dashboard_routes())
     app.add_middleware(
         RateLimit, kind_of=cp.access.kind, limiter=RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     )

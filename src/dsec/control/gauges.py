@@ -6,16 +6,17 @@ One computation for two readers: the Prometheus collector (at scrape time) and t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from dsec.control.views import view_of
-from dsec.decide import PoolGauges, WorkerGauges, pool_gauges_of, pool_recovery_s
+from dsec.decide import PoolGauges, WorkerGauges, pool_gauges_of, pool_recovery_s, sample_from
 from dsec.model import WorkerState
 from dsec.quota import PoolMemory
 
 if TYPE_CHECKING:
-    from dsec.breaker import Breaker
+    from dsec.breaker import Breaker, Caps
     from dsec.control.state import HotState, LiveWorker
 
 __all__ = ["Gauges", "PoolGauges", "WorkerGauges", "pool_recovery_s"]
@@ -30,11 +31,13 @@ class Gauges:
         pool_memory: Mapping[str, PoolMemory],
         breakers: Mapping[str, Breaker],
         restore_min_reporters: int,
+        caps_for: Callable[[LiveWorker], Caps] | None = None,
     ) -> None:
         self.state = state
         self.pool_memory = pool_memory
         self.breakers = breakers
         self.restore_min_reporters = restore_min_reporters
+        self.caps_for = caps_for
 
     def pool_gauges(self) -> dict[str, PoolGauges]:
         st = self.state
@@ -59,14 +62,23 @@ class Gauges:
         out = []
         for w in list(st.workers.values()):
             b = self.breakers.get(w.id)
+            active = w.state is WorkerState.ACTIVE
+            latency = cap = math.nan
+            if active:
+                signal = sample_from(view_of(w).metrics, 0.0).latency_ms
+                latency = math.nan if signal is None else float(signal)
+                if self.caps_for is not None:
+                    cap = float(self.caps_for(w).latency_ms)
             out.append(
                 WorkerGauges(
                     pool=w.pool,
                     worker=w.id,
                     role=w.info.role.value,
-                    active=w.state is WorkerState.ACTIVE,
+                    active=active,
                     meltdowns=float(st.worker_meltdowns.get(w.id, 0)),
                     level=float(b.level if b else 0),
+                    sync_latency_ms=latency,
+                    latency_cap_ms=cap,
                 )
             )
         return out

@@ -11,6 +11,7 @@ else (see docs/protocol.md). ``dsec_snapshot_recovery_time`` is in seconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,17 @@ class PoolCollector(Collector):
             "Degradation level in force per active worker (0 healthy .. 3 sampling paused).",
             labels=["pool", "worker"],
         )
+        sync_latency = GaugeMetricFamily(
+            "dsec_worker_sync_latency_seconds",
+            "The breaker's latency signal per active worker: its sync cost p50 (lateness it caused the group), else "
+            "its sync latency p50, in seconds; absent before the worker reported a sync.",
+            labels=["pool", "worker"],
+        )
+        latency_cap = GaugeMetricFamily(
+            "dsec_worker_latency_cap_seconds",
+            "Latency cap in force per active worker, in seconds (its own override, else its pool's threshold).",
+            labels=["pool", "worker"],
+        )
         memory = GaugeMetricFamily(
             "dsec_pool_memory_gb",
             "Pool memory accounting of the elastic quotas: device capacity, quota granted, memory used.",
@@ -92,7 +104,11 @@ class PoolCollector(Collector):
                 worker_melt.add_metric([wg.pool, wg.worker], wg.meltdowns)
             if wg.active:
                 level.add_metric([wg.pool, wg.worker], wg.level)
-        yield from (util, sync, recovery, melt, workers, pending, worker_melt, level, memory)
+                if not math.isnan(wg.sync_latency_ms):
+                    sync_latency.add_metric([wg.pool, wg.worker], wg.sync_latency_ms / 1000.0)
+                if not math.isnan(wg.latency_cap_ms):
+                    latency_cap.add_metric([wg.pool, wg.worker], wg.latency_cap_ms / 1000.0)
+        yield from (util, sync, recovery, melt, workers, pending, worker_melt, level, sync_latency, latency_cap, memory)
 
 
 class ControlPlaneMetrics:

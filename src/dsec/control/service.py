@@ -70,7 +70,13 @@ class ControlPlane:
         self.log.bind(self.writer, self.judge.route)
         self.directives = Directives(self.log, clock)
         self.inventory = PoolsAndDevices(self.state, store, self.log, self.access, clock)
-        self.gauges = Gauges(self.state, self.judge.pool_memory, self.judge.breakers, settings.restore_min_reporters)
+        self.gauges = Gauges(
+            self.state,
+            self.judge.pool_memory,
+            self.judge.breakers,
+            settings.restore_min_reporters,
+            caps_for=self.judge.caps_for,
+        )
         self.scheduler = Scheduler(
             self.state, self.log, self.directives, self.inventory, self.judge, clock, settings.device_health
         )

@@ -33,6 +33,10 @@ class WorkerGauges:
     active: bool
     meltdowns: float
     level: float
+    # The breaker's latency signal (``caps.sample_from``: sync cost p50, else sync latency p50) and the latency cap in
+    # force for the worker; NaN when unknown. Exposed on /metrics only (not policy samples).
+    sync_latency_ms: float = math.nan
+    latency_cap_ms: float = math.nan
 
 
 def utilization(ratios: Sequence[float]) -> float:

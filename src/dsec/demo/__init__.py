@@ -396,6 +396,8 @@ def run_demo(
     with ServerThread(app) as server, Client(server.url, token=admin) as client:
         pool_token = client.create_token(POOL, label="demo")
         console.print(f"control plane {server.url}: {len(client.pools())} pools from the example cluster file")
+        view_token = client.create_token(kind="read", label="demo dashboard")
+        console.print(f"dashboard {server.url}/#token={view_token}  (read-only token; reachable while the demo runs)")
         env = {
             **os.environ,
             "DSEC_ENDPOINT": server.url,

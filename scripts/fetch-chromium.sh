@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs Debian's chromium for the dashboard's browser test (tests/integration/test_dashboard_browser.py), which
+# drives it with Playwright (`executable_path`; Playwright's own browser download is never used). Best effort: without
+# apt-get, or when not root, a warning, and the test says why it skips.
+set -uo pipefail
+command -v chromium >/dev/null 2>&1 && exit 0
+if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
+    echo "warning: chromium not installed (needs apt-get as root); the dashboard browser test will skip" >&2
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+if ! apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null 2>&1 || true
+    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+        || echo "warning: could not install chromium; the dashboard browser test will skip" >&2
+fi
+exit 0
