@@ -407,3 +407,27 @@ def test_an_over_strict_cap_does_not_hold_a_latency_bound_pool_in_meltdown() -> 
     c = simulate(sc, policies=PolicySet())
     assert c.headline()["goodput_ratio"] > 0.9
     assert c.summary("dsec")["meltdowns"] < sc.workers  # not every worker degraded
+
+
+def test_quota_limits_let_a_burst_use_free_memory_the_first_design_failed_it() -> None:
+    """Issue 17: a burst past a worker's grant on a card with free memory fails its allocation only under the first
+    design (allocator capped at the grant); with grants and limits it runs on, and no more OOMs come from quotas
+    than without them."""
+    # One group on 4 cards with 2 slots used of 4: half of each card free; bursts of ~8 GB over a 17 GB grant.
+    over = {
+        **QUIET,
+        "groups": {"count": 1, "learners": 1, "actors": 5, "memory": {"burst_per_h": 6, "burst_gb": 8}},
+        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28},
+        "duration_h": 2.0,
+    }
+    ooms = {}
+    for name, dsec in (
+        ("limits", {"quota_limits": True}),
+        ("first design", {"quota_limits": False}),
+        ("no quotas", {"quotas": False}),
+    ):
+        sc = small(**{**over, "dsec": {**over["dsec"], **dsec}})
+        _, outcome = run_one(sc, "dsec")
+        ooms[name] = sum(1 for i in outcome.interruptions if i.cause == "oom")
+    assert ooms["first design"] > 0
+    assert ooms["limits"] <= ooms["no quotas"] < ooms["first design"]
