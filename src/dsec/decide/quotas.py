@@ -62,6 +62,7 @@ def plan_pool_quotas(
                 ramp_gb_per_s=trend.ramp_gb_per_s if trend else 0.0,
                 recent_peak_gb=trend.peak_gb if trend else None,
                 limit_gb=w.fields.memory_limit_gb,
+                bursting=trend.bursting(now) if trend else False,
             )
         )
     result = plan(capacity_gb, pool.memory_base_gb, pool.memory_ceiling_gb, members, config, device_gb=device_gb)

@@ -39,14 +39,14 @@ Semantics
 Grant and limit (requests and limits)
 -------------------------------------
 A quota is a *grant*: memory reserved for the worker, never promised to anyone else. What the worker's
-allocator may actually take is its *limit*: its grant plus the memory no worker has been granted (the card's
-unreserved headroom, shared), capped at the card and at the worker's own lowered ceiling. A burst therefore
-runs into memory nobody reserved instead of failing at the grant (which would turn a card with free memory into an
-OOM no baseline would have: the first design's hard cap at the grant did exactly that), while a worker's bursts can
-never take memory granted to a neighbour. Only concurrent bursts into the same unreserved memory can still fill a
-card, as without quotas. The pool's ceiling bounds the *grant*; above it the breaker's memory path (accumulation)
-acts. Limits are re-issued when they must fall (a neighbour's grant grew), or rise by at least one step
-(hysteresis: limits follow every grant change of a card-mate otherwise). Unknown capacity: no limit (None).
+allocator may actually take is its *limit*: its grant, or all the memory its neighbours do not hold now when that
+is more, capped at the device, and at the ceiling unless the worker is in a burst (a steep ramp: a slow leak is
+stopped at the ceiling, fails early and alone, and placement learns its card). A burst therefore runs into free memory
+instead of failing at the grant (which turns a card with free memory into an OOM no deployment without quotas
+would have: the first design's hard cap at the grant did exactly that). Concurrent bursts can still fill a card, as
+without quotas. The pool's ceiling bounds the *grant*; above it the breaker's memory path (accumulation) acts.
+Limits are re-issued when they move by a full step either way or fall below the grant (hysteresis), and only for
+workers that report usage. Unknown capacity: no limit.
 
 Quotas move on a grid ``base + k * step`` (capped at the ceiling), so growth and reclaim land on the
 same values. Pure: no clock, no I/O.
@@ -87,6 +87,8 @@ class WorkerMemory:
     recent_peak_gb: float | None = None
     # The allocator limit in force (None: none issued yet).
     limit_gb: float | None = None
+    # In a burst (MemoryTrend.bursting): only then may the limit run past the ceiling into free memory.
+    bursting: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -271,11 +273,19 @@ def plan(
         held = {w.worker_id: w.used_gb if w.used_gb is not None else quota[w.worker_id] for w in workers}
         total_held = math.fsum(held.values())
         for w in workers:
+            if w.used_gb is None:  # no report: nothing to size a limit by; the grant caps it, as before limits
+                continue
             limit = min(card, max(quota[w.worker_id], usable - (total_held - held[w.worker_id])))
-            if w.ceiling_gb is not None:  # lowered for this worker (stuck episodes): a hard bound
-                limit = min(limit, max(quota[w.worker_id], w.ceiling_gb))
+            own = ceiling_gb if w.ceiling_gb is None else min(ceiling_gb, w.ceiling_gb)
+            if not w.bursting or w.ceiling_gb is not None:
+                # Past the ceiling only for a burst: a slow leak stops there (fails early, alone, and placement
+                # learns its card); a ceiling lowered for this worker (stuck episodes) is a hard bound.
+                limit = min(limit, max(quota[w.worker_id], own))
             old = w.limit_gb
-            if old is None or limit < old - _EPS or limit >= old + config.step_gb - _EPS or old < quota[w.worker_id]:
+            # One step of hysteresis both ways: a limit follows every neighbour's usage, and a directive per
+            # wobble would churn versions (and the acks the breaker's directives wait for). A limit may thus
+            # run up to a step above what is free; a full card is then handled as without quotas.
+            if old is None or abs(limit - old) >= config.step_gb - _EPS or old < quota[w.worker_id]:
                 limit_changes[w.worker_id] = limit
     reasons = {wid: "; ".join(lines) for wid, lines in notes.items() if lines}
     return QuotaPlan(

@@ -16,6 +16,12 @@ RAMP_WEIGHT = 0.5
 #: How long a peak counts as "recent": a grant sized for it is reclaimed once no usage this high was seen for
 #: this long (a sparse-reward burst holds ~2 min; a minute of calm after it is not a new burst coming).
 PEAK_HOLD_S = 60.0
+#: A ramp at least this steep is a burst (a sparse-reward rollout: 0.2-0.5 GB/s), not a leak (a leaking card:
+#: ~3 GB/h = 0.001 GB/s). Only a burst may run past the worker's ceiling into free memory: a leak is stopped there, so
+#: it fails early and alone and placement learns the card (docs/health.md).
+BURST_RAMP_GB_PER_S = 0.05
+#: A burst builds, then holds (minutes): its room past the ceiling lasts this long after its last steep reading.
+BURST_HOLD_S = 300.0
 #: Readings closer than this are not used for a ramp (two beats in one instant say nothing about a rate).
 MIN_DT_S = 0.5
 
@@ -27,6 +33,7 @@ class MemoryTrend:
     ramp_gb_per_s: float = 0.0
     peak_gb: float = 0.0
     peak_t: float = -math.inf
+    burst_t: float = -math.inf  # the last reading whose ramp was a burst's
 
     @classmethod
     def first(cls, used_gb: float, now: float) -> MemoryTrend:
@@ -34,15 +41,33 @@ class MemoryTrend:
 
     def observe(self, used_gb: float, now: float, hold_s: float = PEAK_HOLD_S) -> MemoryTrend:
         """The trend after a new reading (see :func:`observe_arrays`, the one formula)."""
-        out = observe_arrays(self.t, self.used_gb, self.ramp_gb_per_s, self.peak_gb, self.peak_t, used_gb, now, hold_s)
+        out = observe_arrays(
+            self.t, self.used_gb, self.ramp_gb_per_s, self.peak_gb, self.peak_t, used_gb, now, hold_s, self.burst_t
+        )
         return MemoryTrend(*(float(x) for x in out))
+
+    def bursting(self, now: float) -> bool:
+        return bool(bursting(self.burst_t, now))
+
+
+def bursting(burst_t: Any, now: float) -> Any:
+    """Whether a worker is in a burst (or its hold) at ``now``; element-wise over arrays."""
+    return np.asarray(now - np.asarray(burst_t, dtype=float)) <= BURST_HOLD_S
 
 
 def observe_arrays(
-    t: Any, used: Any, ramp: Any, peak: Any, peak_t: Any, new_used: Any, now: float, hold_s: float = PEAK_HOLD_S
-) -> tuple[Any, Any, Any, Any, Any]:
-    """(t, used, ramp, peak, peak_t) after a reading ``new_used`` at ``now``, element-wise over numpy arrays (the
-    simulator's workers) or scalars (MemoryTrend). Rates are growth only (>= 0): shrinking usage is the idle
+    t: Any,
+    used: Any,
+    ramp: Any,
+    peak: Any,
+    peak_t: Any,
+    new_used: Any,
+    now: float,
+    hold_s: float = PEAK_HOLD_S,
+    burst_t: Any = -math.inf,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """(t, used, ramp, peak, peak_t, burst_t) after a reading ``new_used`` at ``now``, element-wise over numpy
+    arrays (the simulator's workers) or scalars (MemoryTrend). Rates are growth only (>= 0): shrinking usage is the idle
     reclaim's business, through the peak. A reading too close to the last one updates the peak, not the ramp."""
     dt = now - np.asarray(t, dtype=float)
     fresh = dt >= MIN_DT_S
@@ -55,4 +80,5 @@ def observe_arrays(
         new_ramp,
         np.where(reset, new_used, peak),
         np.where(reset, now, peak_t),
+        np.where(fresh & (new_ramp >= BURST_RAMP_GB_PER_S), now, burst_t),
     )

@@ -22,7 +22,7 @@ from dsec.model import DeviceHealth, Pool, PoolThresholds, WorkerState
 from dsec.policy import Engine, PolicySet, Scope, SeriesStore
 from dsec.policy.rules import Knob
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
-from dsec.quota.trend import observe_arrays
+from dsec.quota.trend import bursting, observe_arrays
 from dsec.scheduler import DeviceHealthConfig, DeviceHealthTracker, NodeInfo, classify_load
 from dsec.sim.dsec_devices import DeviceHealthPass
 from dsec.sim.dsec_placement import PlacementPass, _CardProfiles
@@ -98,7 +98,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         self.plan_limit = np.full(sim.N, -1.0)
         # Each worker's memory trend (dsec.quota.trend, the server's formula over arrays): t, used, ramp, peak.
         self.trend = [np.full(sim.N, -math.inf), np.zeros(sim.N), np.zeros(sim.N), np.zeros(sim.N),
-                      np.full(sim.N, -math.inf)]  # fmt: skip
+                      np.full(sim.N, -math.inf), np.full(sim.N, -math.inf)]  # fmt: skip
+        self.plan_bursting = np.zeros(sim.N, dtype=bool)
         self.plan_ramp = np.full(sim.N, -1.0)
         self.plan_peak = np.full(sim.N, -1.0)
         self.pool_meltdowns = np.zeros(sim.G, dtype=np.int64)
@@ -159,7 +160,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         sim.bits_frac[w], sim.accum[w], sim.paused[w] = 1.0, 1.0, False
         self.quota[w] = self.knobs[(self.pool_names[int(sim.group_of[w])], "memory_base_gb")] or 0.0
         self.limit[w] = math.nan
-        for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf), strict=True):
+        for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf, -math.inf), strict=True):
             arr[w] = v  # a new process: the old one's trend is gone with it
 
     # -- per sample --------------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         if len(run):
             if self.sc.dsec.quotas:
                 self._observe_trends(t, run, mem)
-                self._quotas(run, mem)
+                self._quotas(t, run, mem)
             if self.sc.dsec.breaker:
                 self._breakers(k, t, run, mem, latency_ms)
         if self.sc.dsec.device_health:
@@ -200,24 +201,26 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
 
     def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""
-        t0, used, ramp, peak, peak_t = (arr[run] for arr in self.trend)
-        out = observe_arrays(t0, used, ramp, peak, peak_t, mem[run], t)
+        t0, used, ramp, peak, peak_t, burst_t = (arr[run] for arr in self.trend)
+        out = observe_arrays(t0, used, ramp, peak, peak_t, mem[run], t, burst_t=burst_t)
         for arr, new in zip(self.trend, out, strict=True):
             arr[run] = new
 
-    def _quotas(self, run: np.ndarray, mem: np.ndarray) -> None:
+    def _quotas(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """dsec.quota.plan per card (the capacity the card's workers share), for the cards whose inputs changed since
         their last plan: plan() is pure, so unchanged inputs would give an unchanged plan."""
         sim = self.sim
         wpg, cards = sim.layout.workers_per_gpu, sim.layout.cards
         card = sim.slot_of[run] // wpg
         counts = np.bincount(card, minlength=cards)
+        burst_now = bursting(self.trend[5], t)
         changed = (
             (mem[run] != self.plan_mem[run])
             | (self.quota[run] != self.plan_quota[run])
             | (sim.slot_of[run] != self.plan_slot[run])
             | (self.trend[2][run] != self.plan_ramp[run])
             | (self.trend[3][run] != self.plan_peak[run])
+            | (burst_now[run] != self.plan_bursting[run])
             | ~((self.limit[run] == self.plan_limit[run]) | (np.isnan(self.limit[run]) & (self.plan_limit[run] < 0)))
         )
         dirty = counts != self.plan_count
@@ -245,6 +248,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
                     ramp_gb_per_s=float(ramp[w]) if limits_on else 0.0,
                     recent_peak_gb=float(peak[w]) if limits_on else None,
                     limit_gb=None if math.isnan(self.limit[w]) else float(self.limit[w]),
+                    bursting=bool(burst_now[w]),
                 )
                 for w in ws
             ]  # fmt: skip
@@ -258,6 +262,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass):
         self.plan_mem[run] = mem[run]
         self.plan_quota[run] = inputs
         self.plan_limit[run] = limits_in
+        self.plan_bursting[run] = burst_now[run]
         self.plan_ramp[run] = ramp[run]
         self.plan_peak[run] = peak[run]
         self.plan_slot[run] = sim.slot_of[run]

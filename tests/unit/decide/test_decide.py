@@ -126,12 +126,13 @@ def test_quota_plans_grow_a_busy_worker_within_the_capacity() -> None:
     assert change.patch["memory_quota_gb"] > 8.0 and change.actor == "quota"
     assert change.events[0].type is EventType.QUOTA and change.events[0].data["from_gb"] == 8.0
     assert v.accounting.capacity_gb == 40.0
-    # every worker gets its first allocator limit: what the other does not hold, within one device
-    assert change.patch["memory_limit_gb"] == 20.0 and change.events[0].data["limit_to_gb"] == 20.0
-    assert by_id["w1"].patch == {"memory_limit_gb": 20.0}
+    # every reporting worker gets its first allocator limit: what the other does not hold, within one device, and
+    # (no burst seen: no trend given) within the pool's ceiling
+    assert change.patch["memory_limit_gb"] == 16.0 and change.events[0].data["limit_to_gb"] == 16.0
+    assert by_id["w1"].patch == {"memory_limit_gb": 16.0}
     # once issued and unchanged, a limit is not sent again
-    issued = [view(0, metrics={"memory_used_gb": 7.9}, memory_quota_gb=10.0, memory_limit_gb=20.0),
-              view(1, metrics={"memory_used_gb": 1.0}, memory_limit_gb=20.0)]  # fmt: skip
+    issued = [view(0, metrics={"memory_used_gb": 7.9}, memory_quota_gb=10.0, memory_limit_gb=16.0),
+              view(1, metrics={"memory_used_gb": 1.0}, memory_limit_gb=16.0)]  # fmt: skip
     assert [c.patch for c in plan_pool_quotas(pool, 40.0, issued, QuotaConfig(), 5.0, device_gb=20.0).changes] == []
 
 

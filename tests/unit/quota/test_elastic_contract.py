@@ -18,8 +18,8 @@ def test_a_plan_serialises_every_field() -> None:
         "accounting": {"capacity_gb": 40.0, "granted_gb": 12.0, "used_gb": 6.5, "headroom_gb": 28.0,
                        "base_gb": 4.0, "ceiling_gb": 12.0, "workers": 2},
         "reasons": result.reasons,
-        # all the memory the other worker does not hold (b reports nothing: its grant counts as held)
-        "limit_changes": {"a": 36.0, "b": 33.5},
+        # a reports usage and is not in a burst: its limit stops at the ceiling (b reports nothing: no limit)
+        "limit_changes": {"a": 12.0},
     }  # fmt: skip
     assert set(result.reasons) == {"a", "b"}
 
@@ -67,7 +67,7 @@ def test_quotas_at_base_or_ceiling_and_usage_at_the_ceiling_are_in_bounds() -> N
 def test_apply_keeps_the_reported_usage() -> None:
     workers = [WorkerMemory("a", 6.5, 7.0)]
     result = plan(40.0, 4.0, 12.0, workers)
-    assert result.apply(workers) == (WorkerMemory("a", 6.5, 8.0, limit_gb=40.0),)
+    assert result.apply(workers) == (WorkerMemory("a", 6.5, 8.0, limit_gb=12.0),)
 
 
 def test_a_worker_with_two_changes_gets_both_reasons() -> None:

@@ -12,7 +12,8 @@ BASE, CEILING, CARD = 16.0, 26.0, 80.0
 
 
 def test_a_limit_is_all_the_memory_the_neighbours_do_not_hold() -> None:
-    ws = [WorkerMemory("a", 10.0, 16.0), WorkerMemory("b", 12.0, 16.0), WorkerMemory("c", 14.0, 20.0)]
+    ws = [WorkerMemory(w, used, grant, bursting=True) for w, used, grant in (("a", 10.0, 16.0), ("b", 12.0, 16.0),
+                                                                            ("c", 14.0, 20.0))]  # fmt: skip
     result = plan(CARD, BASE, CEILING, ws)
     assert result.limit_changes == {"a": 54.0, "b": 56.0, "c": 58.0}
 
@@ -23,13 +24,29 @@ def test_a_limit_is_never_below_the_grant() -> None:
     assert plan(CARD, BASE, CEILING, ws).limit_changes["a"] == 24.0
 
 
-def test_a_silent_neighbour_counts_with_its_whole_grant() -> None:
-    ws = [WorkerMemory("a", 10.0, 16.0), WorkerMemory("b", None, 26.0)]
-    assert plan(CARD, BASE, CEILING, ws).limit_changes["a"] == CARD - 26.0
+def test_a_silent_neighbour_counts_with_its_whole_grant_and_gets_no_limit() -> None:
+    ws = [WorkerMemory("a", 10.0, 16.0, bursting=True), WorkerMemory("b", None, 26.0)]
+    assert plan(CARD, BASE, CEILING, ws).limit_changes == {"a": CARD - 26.0}
+
+
+def test_only_a_burst_runs_past_the_ceiling_a_slow_leak_stops_there() -> None:
+    leak = WorkerMemory("a", 25.0, CEILING)
+    burst = WorkerMemory("a", 25.0, CEILING, bursting=True)
+    assert plan(CARD, BASE, CEILING, [leak]).limit_changes == {"a": CEILING}
+    assert plan(CARD, BASE, CEILING, [burst]).limit_changes == {"a": CARD}
+
+
+def test_a_trend_is_a_burst_only_for_a_steep_ramp_and_for_a_while() -> None:
+    leak = MemoryTrend.first(10.0, 0.0)
+    for i in range(1, 30):
+        leak = leak.observe(10.0 + 0.001 * 60 * i, 60.0 * i)  # 3.6 GB/h
+    assert not leak.bursting(leak.t)
+    burst = MemoryTrend.first(10.0, 0.0).observe(11.0, 2.0).observe(12.0, 4.0)  # 0.5 GB/s
+    assert burst.bursting(4.0) and burst.bursting(250.0) and not burst.bursting(400.0)
 
 
 def test_a_limit_never_exceeds_the_device_nor_a_lowered_worker_ceiling() -> None:
-    ws = [WorkerMemory("a", 1.0, 16.0), WorkerMemory("b", 1.0, 16.0, ceiling_gb=18.0)]
+    ws = [WorkerMemory("a", 1.0, 16.0, bursting=True), WorkerMemory("b", 1.0, 16.0, ceiling_gb=18.0, bursting=True)]
     result = plan(2 * CARD, BASE, CEILING, ws, device_gb=CARD)
     assert result.limit_changes == {"a": CARD, "b": 18.0}
 
@@ -38,17 +55,23 @@ def test_unknown_capacity_issues_no_limit() -> None:
     assert plan(None, BASE, CEILING, [WorkerMemory("a", 10.0, 16.0)]).limit_changes == {}
 
 
-def test_limits_are_reissued_when_they_must_fall_or_rise_a_full_step() -> None:
-    ws = [WorkerMemory("a", 10.0, 16.0, limit_gb=70.0), WorkerMemory("b", 10.0, 16.0, limit_gb=70.0)]
+def test_limits_are_reissued_when_they_move_a_full_step() -> None:
+    ws = [
+        WorkerMemory("a", 10.0, 16.0, limit_gb=70.0, bursting=True),
+        WorkerMemory("b", 10.0, 16.0, limit_gb=70.0, bursting=True),
+    ]
     assert plan(CARD, BASE, CEILING, ws).limit_changes == {}  # 80 - 10: unchanged
-    # b grew by half a GB: a's limit must fall now, even by less than a step
-    grown = [ws[0], WorkerMemory("b", 10.5, 16.0, limit_gb=70.0)]
-    assert plan(CARD, BASE, CEILING, grown).limit_changes == {"a": pytest.approx(69.5)}
-    # room came back by half a step: not worth a directive; by a full step: re-issued
-    half = [WorkerMemory("a", 10.0, 16.0, limit_gb=69.5), WorkerMemory("b", 10.0, 16.0, limit_gb=70.0)]
-    assert plan(CARD, BASE, CEILING, half).limit_changes == {}
-    full = [WorkerMemory("a", 10.0, 16.0, limit_gb=69.0), WorkerMemory("b", 10.0, 16.0, limit_gb=70.0)]
-    assert plan(CARD, BASE, CEILING, full).limit_changes == {"a": 70.0}
+    # b grew by half a GB: a's limit would fall by half a step — not worth a directive
+    wobble = [ws[0], WorkerMemory("b", 10.5, 16.0, limit_gb=70.0, bursting=True)]
+    assert plan(CARD, BASE, CEILING, wobble).limit_changes == {}
+    # by a full step: re-issued, falling or rising
+    grown = [ws[0], WorkerMemory("b", 11.0, 16.0, limit_gb=70.0, bursting=True)]
+    assert plan(CARD, BASE, CEILING, grown).limit_changes == {"a": 69.0}
+    back = [
+        WorkerMemory("a", 10.0, 16.0, limit_gb=69.0, bursting=True),
+        WorkerMemory("b", 10.0, 16.0, limit_gb=70.0, bursting=True),
+    ]
+    assert plan(CARD, BASE, CEILING, back).limit_changes == {"a": 70.0}
 
 
 def test_a_limit_below_a_grown_grant_is_reissued() -> None:
