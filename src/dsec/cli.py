@@ -11,7 +11,19 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from dsec.cli_common import DEFAULT_ENDPOINT, AdminToken, Endpoint, admin_client, err, fail
+from dsec.cli_common import (
+    DEFAULT_ENDPOINT,
+    AdminToken,
+    AsJson,
+    Endpoint,
+    Wide,
+    admin_client,
+    err,
+    fail,
+    print_json,
+    stdout_console,
+    widen,
+)
 from dsec.cli_launch import launch, placement_app
 from dsec.cli_policy import metrics_app, policy_app
 from dsec.cli_serve import serve
@@ -37,29 +49,36 @@ app.command("simulate")(simulate)
 app.command("serve")(serve)
 app.command("launch")(launch)
 
-# Piped output (CI logs, `| tee`) gets a wide fixed width instead of rich's 80-column default.
-console = Console(width=None if sys.stdout.isatty() else 220)
-
 
 @app.command()
 def status(
     endpoint: Endpoint = DEFAULT_ENDPOINT,
     admin_token: AdminToken = None,
     watch: Annotated[float, typer.Option(help="Refresh every N seconds (0: once).")] = 0.0,
+    wide: Wide = False,
+    json_out: AsJson = False,
 ) -> None:
-    """Pools and workers: state, directive desired/acked, latest metrics."""
+    """Pools and workers: state, breaker, directive desired/acked, step time (--wide: every metric)."""
     from rich.console import Group
     from rich.live import Live
 
     from dsec.render import pools_table, workers_table
 
+    if json_out and watch > 0:
+        raise fail(ValueError("--json prints one document: drop --watch (or poll `dsec status --json`)"), 2)
+    console = stdout_console()
     with admin_client(endpoint, admin_token) as c:
 
         def view() -> Group:
             s = c.status()
-            return Group(pools_table(s), workers_table(s["workers"], now=s["server_time"]))
+            return Group(pools_table(s, wide=wide), workers_table(s["workers"], now=s["server_time"], wide=wide))
 
         try:
+            if json_out:
+                print_json(c.status())
+                return
+            if wide:
+                widen(console, view())
             if watch <= 0:
                 console.print(view())
                 return
@@ -79,7 +98,8 @@ def workers(
     admin_token: AdminToken = None,
     pool: Annotated[str | None, typer.Option()] = None,
     state: Annotated[str | None, typer.Option(help="active | lost | deregistered")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    wide: Wide = False,
+    json_out: AsJson = False,
 ) -> None:
     """List workers."""
     from dsec.render import workers_table
@@ -90,9 +110,12 @@ def workers(
     except ClientError as exc:
         raise fail(exc) from None
     if json_out:
-        console.print_json(data=items)
+        print_json(items)
     else:
-        console.print(workers_table(items))
+        console, table = stdout_console(), workers_table(items, wide=wide)
+        if wide:
+            widen(console, table)
+        console.print(table)
 
 
 @app.command()
@@ -104,9 +127,11 @@ def events(
     type_: Annotated[list[str] | None, typer.Option("--type", help="Event type (repeatable).")] = None,
     since: Annotated[float | None, typer.Option(help="Seconds ago.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    cursor: Annotated[int, typer.Option(min=0, help="Only events after this id (the `more:` line's).")] = 0,
+    wide: Wide = False,
+    json_out: AsJson = False,
 ) -> None:
-    """Query events (newest pages last)."""
+    """Query events, oldest first (--json: the page, with next_cursor)."""
     from dsec.render import events_table
 
     try:
@@ -116,16 +141,18 @@ def events(
                 pool=pool,
                 types=type_ or (),
                 since=time.time() - since if since is not None else None,
+                cursor=cursor,
                 limit=limit,
             )
     except ClientError as exc:
         raise fail(exc) from None
     if json_out:
-        console.print_json(data=page)
-    else:
-        console.print(events_table(page["items"]))
-        if page["next_cursor"] is not None:
-            console.print(f"more: --cursor {page['next_cursor']}")
+        print_json(page)
+        return
+    console = stdout_console()
+    console.print(events_table(page["items"], wide=wide))
+    if page["next_cursor"] is not None:
+        console.print(f"more: --cursor {page['next_cursor']}", highlight=False)
 
 
 @token_app.command("create")
@@ -143,7 +170,7 @@ def token_create(
         raise fail(ValueError("give one of --pool P (a worker-registration token), --read or --admin"), 2)
     try:
         with admin_client(endpoint, admin_token) as c:
-            console.print(c.create_token(pool=pool, kind=kinds[0], label=label), soft_wrap=True)
+            stdout_console().print(c.create_token(pool=pool, kind=kinds[0], label=label), soft_wrap=True)
     except ClientError as exc:
         raise fail(exc) from None
 
@@ -156,6 +183,7 @@ def token_ls(endpoint: Endpoint = DEFAULT_ENDPOINT, admin_token: AdminToken = No
             items = c.tokens()
     except ClientError as exc:
         raise fail(exc) from None
+    console = stdout_console()
     for t in items:
         console.print(f"{t['id']}  {t['kind']:<5}  {t['pool'] or '-':<16}  {t['label']}", markup=False)
 
@@ -172,7 +200,7 @@ def token_revoke(
             c.revoke_token(token_id)
     except ClientError as exc:
         raise fail(exc) from None
-    console.print(f"revoked {token_id}")
+    stdout_console().print(f"revoked {token_id}", markup=False, highlight=False)
 
 
 def _parse_assignment(text: str) -> tuple[str, Any]:
@@ -204,7 +232,7 @@ def directive_set(
     fields = dict(_parse_assignment(a) for a in assignments)
     try:
         with admin_client(endpoint, admin_token) as c:
-            console.print_json(data=c.set_directive(worker_id, **fields))
+            stdout_console().print_json(data=c.set_directive(worker_id, **fields))
     except ClientError as exc:
         raise fail(exc) from None
 
@@ -214,7 +242,7 @@ def directive_show(worker_id: str, endpoint: Endpoint = DEFAULT_ENDPOINT, admin_
     """Desired vs acked directive of a worker."""
     try:
         with admin_client(endpoint, admin_token) as c:
-            console.print_json(data=c.directive(worker_id))
+            stdout_console().print_json(data=c.directive(worker_id))
     except ClientError as exc:
         raise fail(exc) from None
 
@@ -313,6 +341,8 @@ def demo(
     """Run an embedded control plane and real training processes, show them live, print a summary."""
     from dsec.demo import run_demo
 
+    # The demo is a show for a terminal; piped (CI logs, `| tee`) it keeps its wide tables on 220 columns.
+    console = Console(width=None if sys.stdout.isatty() else 220)
     sys.exit(run_demo(console, workers=workers_n, duration_s=duration, keep_home=keep, summary_json=summary_json))
 
 

@@ -1,13 +1,18 @@
-"""What every ``dsec`` sub-command module shares: the endpoint and admin-token options, the admin client, and the
-error exit (plain text: messages carry paths and ``field[0]`` locations that must stay greppable)."""
+"""What every ``dsec`` sub-command module shares: the endpoint and admin-token options, the admin client, the
+listings' console and ``--wide`` / ``--json`` options, and the error exit (plain text: messages carry paths and
+``field[0]`` locations that must stay greppable)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.measure import Measurement
 
 from dsec.client import Client
 
@@ -23,6 +28,36 @@ AdminToken = Annotated[
     ),
 ]
 DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
+
+Wide = Annotated[bool, typer.Option("--wide", "-l", help="Every column (the default view fits 100 columns).")]
+AsJson = Annotated[bool, typer.Option("--json", help="The records as one JSON document, full precision.")]
+
+# The width listings get when stdout is not a terminal (CI logs, `| less`) and $COLUMNS is unset: what the default
+# views fit. Rich's own fallback, 80, made it cut ids short ("defaul…").
+PIPE_WIDTH = 100
+
+
+def stdout_console() -> Console:
+    """The console listings print on, made when the command runs (so it sees the environment of that run):
+    the terminal's width or $COLUMNS; :data:`PIPE_WIDTH` when stdout is not a terminal and $COLUMNS is unset."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit():
+        return Console()
+    return Console(width=PIPE_WIDTH)
+
+
+def widen(console: Console, renderable: RenderableType) -> None:
+    """Give a ``--wide`` view its natural width when the console is narrower: every column at full width (lines
+    longer than the terminal run on; ``less -S`` scrolls them) rather than each squeezed to a few characters."""
+    need = Measurement.get(console, console.options.update_width(_UNBOUNDED), renderable).maximum
+    console.width = max(console.width, need)
+
+
+_UNBOUNDED = 10_000
+
+
+def print_json(data: object) -> None:
+    """One JSON document on stdout, plain (no colours, no wrapping), for scripts."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
 def home() -> Path:

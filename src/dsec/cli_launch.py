@@ -9,9 +9,19 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from dsec.cli_common import DEFAULT_ENDPOINT, AdminToken, Endpoint, admin_client, fail
+from dsec.cli_common import (
+    DEFAULT_ENDPOINT,
+    AdminToken,
+    AsJson,
+    Endpoint,
+    Wide,
+    admin_client,
+    fail,
+    print_json,
+    stdout_console,
+    widen,
+)
 from dsec.yamlconf import ConfigError
 
 placement_app = typer.Typer(help="Place jobs and explain placements.", no_args_is_help=True)
@@ -27,24 +37,18 @@ def _job(path: Path) -> Any:
         raise fail(exc, 2) from None
 
 
-def explain_table(p: dict[str, Any]) -> Table:
-    t = Table(title=f"placement of {p['job']}: score {p['score']:g}" + ("" if p["complete"] else " (INCOMPLETE)"))
-    for col in ("worker", "group", "role", "device", "node", "numa", "score", "terms"):
-        t.add_column(col)
-    for a in p["assignments"]:
-        terms = ", ".join(f"{k} {v:+g}" for k, v in a["terms"].items() if v)
-        t.add_row(
-            a["worker"], a["group"], a["role"], a["device"], a["node"], str(a["numa_node"]), f"{a['score']:g}", terms
-        )
-    return t
+def _print(p: dict[str, Any], wide: bool) -> None:
+    from dsec.render import excluded_summary, placement_table
 
-
-def _print(p: dict[str, Any]) -> None:
-    out.print(explain_table(p))
+    console, table = stdout_console(), placement_table(p, wide=wide)
+    if wide:
+        widen(console, table)
+    console.print(table)
     for worker, why in p["unplaced"].items():
-        out.print(f"[red]unplaced[/red] {worker}: {why}", highlight=False)
+        console.print("[red]unplaced[/red]", end=" ")
+        console.print(f"{worker}: {why}", markup=False, highlight=False)
     if p["excluded"]:
-        out.print("excluded: " + "; ".join(f"{d} ({why})" for d, why in p["excluded"].items()), highlight=False)
+        console.print(excluded_summary(p["excluded"], wide=wide), markup=False, highlight=False)
 
 
 @placement_app.command("plan")
@@ -52,7 +56,8 @@ def plan(
     job: Annotated[Path, typer.Argument(help="Job file.")],
     endpoint: Endpoint = DEFAULT_ENDPOINT,
     admin_token: AdminToken = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    wide: Wide = False,
+    as_json: AsJson = False,
 ) -> None:
     """Place a job file's workers on the control plane's inventory and show why each went where it did."""
     from dsec.client import ClientError
@@ -64,7 +69,10 @@ def plan(
             p = place_job(spec, c)
         except (ClientError, RuntimeError) as exc:
             raise fail(exc) from None
-    out.print_json(json.dumps(p)) if as_json else _print(p)
+    if as_json:
+        print_json(p)
+    else:
+        _print(p, wide)
 
 
 @placement_app.command("explain")
@@ -72,9 +80,11 @@ def explain(
     job: Annotated[str, typer.Argument(help="Job name.")],
     endpoint: Endpoint = DEFAULT_ENDPOINT,
     admin_token: AdminToken = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    wide: Wide = False,
+    as_json: AsJson = False,
 ) -> None:
-    """Show a job's placement: each worker's device and the score of every term that put it there."""
+    """Show a job's placement: each worker's device and the score of every term that put it there (--wide: group and
+    NUMA node, and every excluded device by name)."""
     from dsec.client import ClientError
 
     with admin_client(endpoint, admin_token) as c:
@@ -82,7 +92,10 @@ def explain(
             p = c.placement(job)
         except ClientError as exc:
             raise fail(exc) from None
-    out.print_json(json.dumps(p)) if as_json else _print(p)
+    if as_json:
+        print_json(p)
+    else:
+        _print(p, wide)
 
 
 def launch(

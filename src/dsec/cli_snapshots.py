@@ -8,9 +8,8 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from dsec.cli_common import err, fail
+from dsec.cli_common import Wide, err, fail, stdout_console, widen
 
 snapshots_app = typer.Typer(help="Inspect, verify and restore state snapshots.", no_args_is_help=True)
 out = Console()
@@ -45,17 +44,17 @@ def _newest_or(ident: str, store: Any) -> tuple[str, int]:
     return worker, seq if seq is not None else store.manifests(worker)[-1]
 
 
-def _mib(n: Any) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f}"
-
-
 @snapshots_app.command("ls")
 def ls(
     worker: Annotated[str | None, typer.Argument(help="Only this worker.")] = None,
     root: SnapshotDir = DEFAULT_DIR,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    wide: Wide = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="JSON lines (one object per snapshot) instead of a table.")
+    ] = False,
 ) -> None:
-    """List snapshots, oldest first."""
+    """List snapshots, oldest first (--wide: base, full size and total time too)."""
+    from dsec.render import snapshots_table
     from dsec.snapshot import listing
 
     store = _store(root)
@@ -68,23 +67,10 @@ def ls(
         for row in rows:
             out.print(json.dumps(row), markup=False, highlight=False, soft_wrap=True)
         return
-    table = Table("id", "kind", "base", "step", "mode", "full MiB", "stored MiB", "blocking ms", "total ms")
-    for r in rows:
-        if "error" in r:
-            table.add_row(r["id"], "[red]unreadable[/red]", "", "", "", "", "", "", r["error"][:40])
-            continue
-        table.add_row(
-            r["id"],
-            r["kind"],
-            str(r["base"]),
-            str(r["step"]),
-            r["mode"],
-            _mib(r["full_bytes"]),
-            _mib(r["stored_bytes"]),
-            f"{r['blocking_ms']:.1f}",
-            f"{r['total_ms']:.0f}",
-        )
-    out.print(table)
+    console, table = stdout_console(), snapshots_table(rows, wide=wide)
+    if wide:
+        widen(console, table)
+    console.print(table)
 
 
 @snapshots_app.command("show")

@@ -1,18 +1,29 @@
-"""Rich tables for the CLI and the demo, built from the API's JSON (so both show the same thing)."""
+"""Rich tables for the CLI and the demo, built from the API's JSON (so both show the same thing).
+
+Every listing has a default view that fits 100 columns and a ``wide`` view with every column. Id columns fold
+(``overflow="fold"``) instead of being cut with an ellipsis: an id that does not fit wraps onto the next line, but
+every character of it is printed. Text that comes from outside (ids, names, event data, error messages) is passed as
+:class:`rich.text.Text`, so brackets in it are never read as markup.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from rich.console import JustifyMethod, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from dsec import telemetry
 
+Record = Mapping[str, Any]
+
 _STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
 
-# Metrics shown in the status table when a worker reports them (first found wins per column).
+# Metrics shown in the wide workers table when a worker reports them (first found wins per column).
 _METRIC_COLUMNS: tuple[tuple[str, tuple[telemetry.Metric, ...]], ...] = (
     ("updates", (telemetry.UPDATES_TOTAL,)),
     ("step ms", (telemetry.STEP_MS_MEAN,)),
@@ -26,6 +37,27 @@ _METRIC_COLUMNS: tuple[tuple[str, tuple[telemetry.Metric, ...]], ...] = (
 )
 
 
+@dataclass(frozen=True)
+class _Col:
+    """One column of a listing: its header, how a record fills it, and in which views it appears."""
+
+    header: str
+    cell: Callable[[Record], RenderableType]
+    justify: JustifyMethod = "left"
+    ident: bool = False  # an id or name people copy: folded, never cut
+    default: bool = True  # in the default (narrow) view; every column is in the wide view
+
+
+def _table(title: str | None, cols: Sequence[_Col], records: Sequence[Record], wide: bool) -> Table:
+    shown = [c for c in cols if wide or c.default]
+    t = Table(title=title, expand=False)
+    for c in shown:
+        t.add_column(c.header, justify=c.justify, overflow="fold" if c.ident else "ellipsis")
+    for r in records:
+        t.add_row(*(c.cell(r) for c in shown))
+    return t
+
+
 def _metric(metrics: Mapping[str, float], keys: Sequence[telemetry.Metric]) -> str:
     for k in keys:
         if k.name in metrics:
@@ -34,38 +66,8 @@ def _metric(metrics: Mapping[str, float], keys: Sequence[telemetry.Metric]) -> s
     return "-"
 
 
-def pools_table(status: Mapping[str, Any]) -> Table:
-    t = Table(title="Pools", expand=False)
-    for col in (
-        "pool",
-        "devices",
-        "bw cap MB/s",
-        "lat cap ms",
-        "mem base/ceil GB",
-        "snap s/lvl",
-        "active",
-        "lost",
-        "pending",
-        "meltdowns",
-        "mem used/granted/cap GB",
-    ):
-        t.add_column(col, justify="right" if col != "pool" else "left")
-    for p in status.get("pools", []):
-        th = p["thresholds"]
-        t.add_row(
-            p["name"],
-            str(len(p["devices"])),
-            f"{th['bandwidth_cap_mbps']:g}",
-            f"{th['latency_cap_ms']:g}",
-            f"{p['memory_base_gb']:g}/{p['memory_ceiling_gb']:g}",
-            f"{p['snapshot_interval_s']:g}/{p.get('snapshot_compression_level', 2)}",
-            str(p["workers"]["active"]),
-            str(p["workers"]["lost"]),
-            str(p["directives_pending"]),
-            str(p["meltdowns"]) + (" [yellow]pool slow" if p.get("sync_slowdown") else ""),
-            _memory(p.get("memory")),
-        )
-    return t
+def _metric_cell(keys: Sequence[telemetry.Metric]) -> Callable[[Record], str]:
+    return lambda w: _metric(w["metrics"], keys)
 
 
 def _memory(mem: Mapping[str, Any] | None) -> str:
@@ -73,6 +75,33 @@ def _memory(mem: Mapping[str, Any] | None) -> str:
         return "-"
     cap = mem.get("capacity_gb")
     return f"{mem['used_gb']:.1f}/{mem['granted_gb']:.1f}/{'?' if cap is None else f'{cap:g}'}"
+
+
+_POOL_COLUMNS = (
+    _Col("pool", lambda p: Text(p["name"]), ident=True),
+    _Col("devices", lambda p: str(len(p["devices"])), "right"),
+    _Col("bw cap MB/s", lambda p: f"{p['thresholds']['bandwidth_cap_mbps']:g}", "right", default=False),
+    _Col("lat cap ms", lambda p: f"{p['thresholds']['latency_cap_ms']:g}", "right", default=False),
+    _Col("mem base/ceil GB", lambda p: f"{p['memory_base_gb']:g}/{p['memory_ceiling_gb']:g}", "right", default=False),
+    _Col(
+        "snap s/lvl",
+        lambda p: f"{p['snapshot_interval_s']:g}/{p.get('snapshot_compression_level', 2)}",
+        "right",
+        default=False,
+    ),
+    _Col("active", lambda p: str(p["workers"]["active"]), "right"),
+    _Col("lost", lambda p: str(p["workers"]["lost"]), "right"),
+    _Col("pending", lambda p: str(p["directives_pending"]), "right"),
+    _Col(
+        "meltdowns", lambda p: str(p["meltdowns"]) + (" [yellow]pool slow" if p.get("sync_slowdown") else ""), "right"
+    ),
+    _Col("mem used/granted/cap GB", lambda p: _memory(p.get("memory")), "right"),
+)
+
+
+def pools_table(status: Mapping[str, Any], *, wide: bool = False) -> Table:
+    """Default: workers, directives and memory per pool; ``wide`` adds the pool's thresholds and snapshot settings."""
+    return _table("Pools", _POOL_COLUMNS, status.get("pools", []), wide)
 
 
 _PHASE_STYLE = {
@@ -84,56 +113,23 @@ _PHASE_STYLE = {
 }
 
 
-def workers_table(workers: Sequence[Mapping[str, Any]], now: float | None = None, title: str = "Workers") -> Table:
-    now = time.time() if now is None else now
-    t = Table(title=title, expand=False)
-    for col in (
-        "worker",
-        "pool",
-        "group",
-        "role",
-        "rank",
-        "state",
-        "beats",
-        "last beat",
-        "breaker",
-        "bits/accum",
-        "directive desired/acked",
-        *(c for c, _ in _METRIC_COLUMNS),
-    ):
-        t.add_column(
-            col,
-            justify="left" if col in ("worker", "pool", "group", "role", "state") else "right",
-            no_wrap=col in ("worker", "pool", "state"),  # ids must stay copyable from the table
-        )
-    for w in workers:
-        d = w["directive"]
-        sync = "[green]" if d["in_sync"] else "[yellow]"
-        desired = d["desired"]
-        bits = desired.get("compression_bits")
-        degradation = f"{'default' if bits is None else f'{bits}b'}/x{desired['grad_accum_steps']}"
-        if not desired.get("async_sampling", True):
-            degradation += "/paused"
-        b = w.get("breaker") or {}
-        phase = b.get("phase", "closed")
-        breaker = f"[{_PHASE_STYLE.get(phase, 'white')}]L{b.get('level', 0)} {phase}"
-        if w.get("meltdowns"):
-            breaker += f" ({w['meltdowns']}x)"
-        t.add_row(
-            w["id"],
-            w["pool"],
-            w["group"],
-            w["role"],
-            str(w["rank"]),
-            f"[{_STATE_STYLE.get(w['state'], 'white')}]{w['state']}",
-            str(w["beats"]),
-            f"{max(0.0, now - w['last_beat_at']):.1f}s ago",
-            breaker,
-            degradation,
-            f"{sync}v{d['desired_version']}/v{d['acked_version']}" + _unappliable(d.get("unappliable")),
-            *(_metric(w["metrics"], keys) for _, keys in _METRIC_COLUMNS),
-        )
-    return t
+def _degradation(w: Record) -> str:
+    desired = w["directive"]["desired"]
+    bits = desired.get("compression_bits")
+    text = f"{'default' if bits is None else f'{bits}b'}/x{desired['grad_accum_steps']}"
+    return text if desired.get("async_sampling", True) else text + "/paused"
+
+
+def _versions(w: Record) -> str:
+    d = w["directive"]
+    return f"{'[green]' if d['in_sync'] else '[yellow]'}v{d['desired_version']}/v{d['acked_version']}"
+
+
+def _breaker(w: Record) -> str:
+    b = w.get("breaker") or {}
+    phase = b.get("phase", "closed")
+    text = f"[{_PHASE_STYLE.get(phase, 'white')}]L{b.get('level', 0)} {phase}"
+    return text + (f" ({w['meltdowns']}x)" if w.get("meltdowns") else "")
 
 
 def _unappliable(fields: Mapping[str, Any] | None) -> str:
@@ -143,18 +139,147 @@ def _unappliable(fields: Mapping[str, Any] | None) -> str:
     return "".join(f"\n[red]unappliable {name}: {u.get('reason') or '?'}" for name, u in sorted(fields.items()))
 
 
-def events_table(events: Sequence[Mapping[str, Any]], title: str = "Events") -> Table:
-    t = Table(title=title, expand=False)
-    for col in ("id", "time", "type", "worker", "pool", "data"):
-        t.add_column(col)
+def _worker_columns(now: float) -> tuple[_Col, ...]:
+    return (
+        _Col("worker", lambda w: Text(w["id"]), ident=True),
+        _Col("pool", lambda w: Text(w["pool"]), ident=True),
+        _Col("group", lambda w: Text(w["group"]), ident=True, default=False),
+        _Col("role", lambda w: w["role"]),
+        _Col("rank", lambda w: str(w["rank"]), "right", default=False),
+        _Col("state", lambda w: f"[{_STATE_STYLE.get(w['state'], 'white')}]{w['state']}"),
+        _Col("beats", lambda w: str(w["beats"]), "right", default=False),
+        _Col("last beat", lambda w: f"{max(0.0, now - w['last_beat_at']):.1f}s ago", "right"),
+        _Col("breaker", _breaker, "right"),
+        # The default view folds degradation and directive versions into one column.
+        _Col(
+            "directive",
+            lambda w: f"{_versions(w)} {_degradation(w)}" + _unappliable(w["directive"].get("unappliable")),
+            "right",
+        ),
+        _Col("bits/accum", _degradation, "right", default=False),
+        _Col(
+            "directive desired/acked",
+            lambda w: _versions(w) + _unappliable(w["directive"].get("unappliable")),
+            "right",
+            default=False,
+        ),
+        *(_Col(name, _metric_cell(keys), "right", default=name == "step ms") for name, keys in _METRIC_COLUMNS),
+    )
+
+
+def workers_table(
+    workers: Sequence[Record], now: float | None = None, title: str = "Workers", *, wide: bool = False
+) -> Table:
+    """Default: id, pool, role, state, last beat, breaker, directive (versions and degradation), step time;
+    ``wide``: group, rank, beats, the directive split in two, and every metric column."""
+    cols = _worker_columns(time.time() if now is None else now)
+    if wide:
+        cols = tuple(c for c in cols if c.header != "directive")
+    return _table(title, cols, workers, wide)
+
+
+def _event_data(e: Record) -> Text:
+    return Text(", ".join(f"{k}={v}" for k, v in e["data"].items()))
+
+
+def events_table(events: Sequence[Record], title: str = "Events", *, wide: bool = False) -> Table:
+    """Default: one line per event, its data cut to the room left (``--json`` has all of it); ``wide``: the date,
+    the pool, and the whole data, wrapped."""
+    if wide:
+        cols = (
+            _Col("id", lambda e: str(e["id"]), "right"),
+            _Col("time", lambda e: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"]))),
+            _Col("type", lambda e: e["type"]),
+            _Col("worker", lambda e: Text(e["worker_id"] or "-"), ident=True),
+            _Col("pool", lambda e: Text(e["pool"] or "-"), ident=True),
+            _Col("data", _event_data, ident=True),
+        )
+        return _table(title, cols, events, wide=True)
+    # The data column takes whatever width the others leave (expand + ratio), on one line, cut with an ellipsis.
+    t = Table(title=title, expand=True)
+    t.add_column("id", justify="right", no_wrap=True)
+    t.add_column("time", no_wrap=True)
+    t.add_column("type", no_wrap=True)
+    t.add_column("worker", overflow="fold")
+    t.add_column("data", ratio=1, no_wrap=True, overflow="ellipsis")
     for e in events:
-        data = ", ".join(f"{k}={v}" for k, v in e["data"].items())
         t.add_row(
             str(e["id"]),
             time.strftime("%H:%M:%S", time.localtime(e["ts"])),
             e["type"],
-            e["worker_id"] or "-",
-            e["pool"] or "-",
-            data[:80],
+            Text(e["worker_id"] or "-"),
+            _event_data(e),
         )
     return t
+
+
+def _mib(n: Any) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def _snapshot_cell(key: str, fmt: Callable[[Any], str]) -> Callable[[Record], RenderableType]:
+    """A row of ``dsec.snapshot.listing``; an unreadable manifest has only ``id`` and ``error``."""
+
+    def cell(r: Record) -> RenderableType:
+        return "" if "error" in r else fmt(r[key])
+
+    return cell
+
+
+_SNAPSHOT_COLUMNS = (
+    _Col("id", lambda r: Text(r["id"]), ident=True),
+    _Col("kind", lambda r: "[red]unreadable[/red]" if "error" in r else r["kind"]),
+    _Col("base", _snapshot_cell("base", str), "right", default=False),
+    _Col("step", _snapshot_cell("step", str), "right"),
+    _Col("mode", _snapshot_cell("mode", str)),
+    _Col("full MiB", _snapshot_cell("full_bytes", _mib), "right", default=False),
+    _Col("stored MiB", _snapshot_cell("stored_bytes", _mib), "right"),
+    _Col("blocking ms", _snapshot_cell("blocking_ms", lambda v: f"{v:.1f}"), "right"),
+    _Col("total ms", _snapshot_cell("total_ms", lambda v: f"{v:.0f}"), "right", default=False),
+    _Col("error", lambda r: Text(r.get("error", "")), ident=True),
+)
+
+
+def snapshots_table(rows: Sequence[Record], *, wide: bool = False) -> Table:
+    """Rows of ``dsec.snapshot.listing``. Default: id, kind, step, mode, stored size, blocking time; ``wide`` adds the
+    base, the full size and the total time. The error column appears only when a manifest is unreadable."""
+    cols = [c for c in _SNAPSHOT_COLUMNS if c.header != "error" or any("error" in r for r in rows)]
+    return _table(None, cols, rows, wide)
+
+
+_PLACEMENT_COLUMNS = (
+    _Col("worker", lambda a: Text(a["worker"]), ident=True),
+    _Col("group", lambda a: Text(a["group"]), ident=True, default=False),
+    _Col("role", lambda a: a["role"]),
+    _Col("device", lambda a: Text(a["device"]), ident=True),
+    _Col("node", lambda a: Text(a["node"]), ident=True),
+    _Col("numa", lambda a: str(a["numa_node"]), "right", default=False),
+    _Col("score", lambda a: f"{a['score']:g}", "right"),
+    _Col("terms", lambda a: ", ".join(f"{k} {v:+g}" for k, v in a["terms"].items() if v)),
+)
+
+
+def placement_table(p: Mapping[str, Any], *, wide: bool = False) -> Table:
+    """A placement (``Placement.to_dict``): each worker's device and the terms of its score; ``wide`` adds the
+    group and the NUMA node."""
+    title = f"placement of {p['job']}: score {p['score']:g}" + ("" if p["complete"] else " (INCOMPLETE)")
+    return _table(title, _PLACEMENT_COLUMNS, p["assignments"], wide)
+
+
+# Past this many devices excluded for one reason, the default view counts them instead of naming them.
+_NAMED_EXCLUSIONS = 3
+
+
+def excluded_summary(excluded: Mapping[str, str], *, wide: bool = False) -> str:
+    """``excluded: 14 devices (not in the pool); gpu-03 (device is degraded)``: the devices a placement left out,
+    grouped by reason; ``wide`` names every device."""
+    by_reason: dict[str, list[str]] = {}
+    for device, why in excluded.items():
+        by_reason.setdefault(why, []).append(device)
+    parts = [
+        f"{', '.join(devices)} ({why})"
+        if wide or len(devices) <= _NAMED_EXCLUSIONS
+        else f"{len(devices)} devices ({why})"
+        for why, devices in by_reason.items()
+    ]
+    return "excluded: " + "; ".join(parts)

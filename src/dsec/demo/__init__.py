@@ -459,7 +459,7 @@ def run_demo(
                     cursor = recent[-1]["id"] if recent else cursor
                     live.update(
                         Group(
-                            workers_table(mine, now=s["server_time"], title=f"Workers in {POOL}"),
+                            workers_table(mine, now=s["server_time"], title=f"Workers in {POOL}", wide=True),
                             events_table(recent, title="Latest events"),
                         )
                     )
@@ -500,7 +500,7 @@ def run_demo(
             scenes_ok["simulator: 128 agents, baseline vs DSec's modules on one fault trace (dsec simulate)"] = (
                 simulation_scene.ran(run.state["simulation"])
             )
-            console.print(pools_table(client.status()))
+            console.print(pools_table(client.status(), wide=True))
             table, data = _summary(run, scenes_ok, time.time() - start)
             console.print(table)
             code = 0 if all(scenes_ok.values()) else 1
