@@ -71,7 +71,10 @@ def status(
 
         def view() -> Group:
             s = c.status()
-            return Group(pools_table(s, wide=wide), workers_table(s["workers"], now=s["server_time"], wide=wide))
+            return Group(
+                pools_table(s, wide=wide, width=console.width),
+                workers_table(s["workers"], now=s["server_time"], wide=wide, width=console.width),
+            )
 
         try:
             if json_out:
@@ -112,7 +115,8 @@ def workers(
     if json_out:
         print_json(items)
     else:
-        console, table = stdout_console(), workers_table(items, wide=wide)
+        console = stdout_console()
+        table = workers_table(items, wide=wide, width=console.width)
         if wide:
             widen(console, table)
         console.print(table)

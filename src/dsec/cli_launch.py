@@ -40,7 +40,8 @@ def _job(path: Path) -> Any:
 def _print(p: dict[str, Any], wide: bool) -> None:
     from dsec.render import excluded_summary, placement_table
 
-    console, table = stdout_console(), placement_table(p, wide=wide)
+    console = stdout_console()
+    table = placement_table(p, wide=wide, width=console.width)
     if wide:
         widen(console, table)
     console.print(table)

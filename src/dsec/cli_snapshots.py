@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from dsec.cli_common import Wide, err, fail, stdout_console, widen
 
@@ -67,10 +68,14 @@ def ls(
         for row in rows:
             out.print(json.dumps(row), markup=False, highlight=False, soft_wrap=True)
         return
-    console, table = stdout_console(), snapshots_table(rows, wide=wide)
+    console = stdout_console()
+    table = snapshots_table(rows, wide=wide, width=console.width)
     if wide:
         widen(console, table)
     console.print(table)
+    for r in rows:
+        if "error" in r:
+            console.print(Text(r["error"], style="red"))
 
 
 @snapshots_app.command("show")

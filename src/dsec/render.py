@@ -1,9 +1,10 @@
 """Rich tables for the CLI and the demo, built from the API's JSON (so both show the same thing).
 
-Every listing has a default view that fits 100 columns and a ``wide`` view with every column. Id columns fold
-(``overflow="fold"``) instead of being cut with an ellipsis: an id that does not fit wraps onto the next line, but
-every character of it is printed. Text that comes from outside (ids, names, event data, error messages) is passed as
-:class:`rich.text.Text`, so brackets in it are never read as markup.
+Every listing has a default view that fits 100 columns and a ``wide`` view with every column. Id columns are as
+wide as their longest id, so that when a table is too wide for the terminal rich narrows (wraps) the other columns
+first; and they fold (``overflow="fold"``) rather than end in an ellipsis, so that on a very narrow terminal an id
+wraps onto the next line but every character of it is printed. Text that comes from outside (ids, names, event
+data, error messages) is passed as :class:`rich.text.Text`, so brackets in it are never read as markup.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import JustifyMethod, RenderableType
+from rich.cells import cell_len
+from rich.console import Console, JustifyMethod, OverflowMethod, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -44,18 +47,48 @@ class _Col:
     header: str
     cell: Callable[[Record], RenderableType]
     justify: JustifyMethod = "left"
-    ident: bool = False  # an id or name people copy: folded, never cut
+    ident: bool = False  # an id or name people copy: as wide as the longest, folded, never cut
+    overflow: OverflowMethod = "ellipsis"
     default: bool = True  # in the default (narrow) view; every column is in the wide view
+    drop: int = 0  # > 0: the default view leaves it out when the terminal is too narrow, highest first
 
 
-def _table(title: str | None, cols: Sequence[_Col], records: Sequence[Record], wide: bool) -> Table:
+def _cell_len(cell: RenderableType) -> int:
+    return cell.cell_len if isinstance(cell, Text) else Text.from_markup(cell).cell_len if isinstance(cell, str) else 0
+
+
+def _table(
+    title: str | None, cols: Sequence[_Col], records: Sequence[Record], wide: bool, width: int | None = None
+) -> Table:
+    """The wide view has every column; the default view its ``default`` ones, less those marked ``drop`` (highest
+    first) while the table is wider than ``width``."""
     shown = [c for c in cols if wide or c.default]
+    table = _build(title, shown, records)
+    droppable = sorted((c for c in shown if c.drop), key=lambda c: -c.drop)
+    while not wide and width is not None and droppable and _natural_width(table) > width:
+        shown.remove(droppable.pop(0))
+        table = _build(title, shown, records)
+    return table
+
+
+def _build(title: str | None, shown: Sequence[_Col], records: Sequence[Record]) -> Table:
+    rows = [[c.cell(r) for c in shown] for r in records]
     t = Table(title=title, expand=False)
-    for c in shown:
-        t.add_column(c.header, justify=c.justify, overflow="fold" if c.ident else "ellipsis")
-    for r in records:
-        t.add_row(*(c.cell(r) for c in shown))
+    for i, c in enumerate(shown):
+        if c.ident:
+            # A fixed width keeps rich's first way to fit a wide table (wrapping the widest columns) off the ids.
+            width = max([cell_len(c.header), *(_cell_len(r[i]) for r in rows)])
+            t.add_column(c.header, justify=c.justify, width=width, overflow="fold")
+        else:
+            t.add_column(c.header, justify=c.justify, overflow=c.overflow)
+    for row in rows:
+        t.add_row(*row)
     return t
+
+
+def _natural_width(table: Table) -> int:
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, table).maximum
 
 
 def _metric(metrics: Mapping[str, float], keys: Sequence[telemetry.Metric]) -> str:
@@ -91,7 +124,7 @@ _POOL_COLUMNS = (
     ),
     _Col("active", lambda p: str(p["workers"]["active"]), "right"),
     _Col("lost", lambda p: str(p["workers"]["lost"]), "right"),
-    _Col("pending", lambda p: str(p["directives_pending"]), "right"),
+    _Col("pending", lambda p: str(p["directives_pending"]), "right", drop=1),
     _Col(
         "meltdowns", lambda p: str(p["meltdowns"]) + (" [yellow]pool slow" if p.get("sync_slowdown") else ""), "right"
     ),
@@ -99,9 +132,10 @@ _POOL_COLUMNS = (
 )
 
 
-def pools_table(status: Mapping[str, Any], *, wide: bool = False) -> Table:
-    """Default: workers, directives and memory per pool; ``wide`` adds the pool's thresholds and snapshot settings."""
-    return _table("Pools", _POOL_COLUMNS, status.get("pools", []), wide)
+def pools_table(status: Mapping[str, Any], *, wide: bool = False, width: int | None = None) -> Table:
+    """Default: workers, directives and memory per pool (fitted to ``width``); ``wide`` adds the pool's thresholds
+    and snapshot settings."""
+    return _table("Pools", _POOL_COLUMNS, status.get("pools", []), wide, width)
 
 
 _PHASE_STYLE = {
@@ -144,11 +178,11 @@ def _worker_columns(now: float) -> tuple[_Col, ...]:
         _Col("worker", lambda w: Text(w["id"]), ident=True),
         _Col("pool", lambda w: Text(w["pool"]), ident=True),
         _Col("group", lambda w: Text(w["group"]), ident=True, default=False),
-        _Col("role", lambda w: w["role"]),
+        _Col("role", lambda w: w["role"], drop=1),
         _Col("rank", lambda w: str(w["rank"]), "right", default=False),
         _Col("state", lambda w: f"[{_STATE_STYLE.get(w['state'], 'white')}]{w['state']}"),
         _Col("beats", lambda w: str(w["beats"]), "right", default=False),
-        _Col("last beat", lambda w: f"{max(0.0, now - w['last_beat_at']):.1f}s ago", "right"),
+        _Col("last beat", lambda w: f"{max(0.0, now - w['last_beat_at']):.1f}s ago", "right", drop=2),
         _Col("breaker", _breaker, "right"),
         # The default view folds degradation and directive versions into one column.
         _Col(
@@ -163,19 +197,25 @@ def _worker_columns(now: float) -> tuple[_Col, ...]:
             "right",
             default=False,
         ),
-        *(_Col(name, _metric_cell(keys), "right", default=name == "step ms") for name, keys in _METRIC_COLUMNS),
+        *(_Col(name, _metric_cell(keys), "right", default=name == "step ms", drop=3) for name, keys in _METRIC_COLUMNS),
     )
 
 
 def workers_table(
-    workers: Sequence[Record], now: float | None = None, title: str = "Workers", *, wide: bool = False
+    workers: Sequence[Record],
+    now: float | None = None,
+    title: str = "Workers",
+    *,
+    wide: bool = False,
+    width: int | None = None,
 ) -> Table:
-    """Default: id, pool, role, state, last beat, breaker, directive (versions and degradation), step time;
-    ``wide``: group, rank, beats, the directive split in two, and every metric column."""
+    """Default: id, pool, role, state, last beat, breaker, directive (versions and degradation), step time, less
+    step time, last beat and role (in that order) where ``width`` is too narrow for them; ``wide``: group, rank,
+    beats, the directive split in two, and every metric column."""
     cols = _worker_columns(time.time() if now is None else now)
     if wide:
         cols = tuple(c for c in cols if c.header != "directive")
-    return _table(title, cols, workers, wide)
+    return _table(title, cols, workers, wide, width)
 
 
 def _event_data(e: Record) -> Text:
@@ -192,7 +232,7 @@ def events_table(events: Sequence[Record], title: str = "Events", *, wide: bool 
             _Col("type", lambda e: e["type"]),
             _Col("worker", lambda e: Text(e["worker_id"] or "-"), ident=True),
             _Col("pool", lambda e: Text(e["pool"] or "-"), ident=True),
-            _Col("data", _event_data, ident=True),
+            _Col("data", _event_data, overflow="fold"),
         )
         return _table(title, cols, events, wide=True)
     # The data column takes whatever width the others leave (expand + ratio), on one line, cut with an ellipsis.
@@ -200,7 +240,7 @@ def events_table(events: Sequence[Record], title: str = "Events", *, wide: bool 
     t.add_column("id", justify="right", no_wrap=True)
     t.add_column("time", no_wrap=True)
     t.add_column("type", no_wrap=True)
-    t.add_column("worker", overflow="fold")
+    t.add_column("worker", width=max([6, *(len(e["worker_id"] or "-") for e in events)]), overflow="fold")
     t.add_column("data", ratio=1, no_wrap=True, overflow="ellipsis")
     for e in events:
         t.add_row(
@@ -231,26 +271,25 @@ _SNAPSHOT_COLUMNS = (
     _Col("kind", lambda r: "[red]unreadable[/red]" if "error" in r else r["kind"]),
     _Col("base", _snapshot_cell("base", str), "right", default=False),
     _Col("step", _snapshot_cell("step", str), "right"),
-    _Col("mode", _snapshot_cell("mode", str)),
+    _Col("mode", _snapshot_cell("mode", str), drop=1),
     _Col("full MiB", _snapshot_cell("full_bytes", _mib), "right", default=False),
     _Col("stored MiB", _snapshot_cell("stored_bytes", _mib), "right"),
-    _Col("blocking ms", _snapshot_cell("blocking_ms", lambda v: f"{v:.1f}"), "right"),
+    _Col("blocking ms", _snapshot_cell("blocking_ms", lambda v: f"{v:.1f}"), "right", drop=2),
     _Col("total ms", _snapshot_cell("total_ms", lambda v: f"{v:.0f}"), "right", default=False),
-    _Col("error", lambda r: Text(r.get("error", "")), ident=True),
 )
 
 
-def snapshots_table(rows: Sequence[Record], *, wide: bool = False) -> Table:
-    """Rows of ``dsec.snapshot.listing``. Default: id, kind, step, mode, stored size, blocking time; ``wide`` adds the
-    base, the full size and the total time. The error column appears only when a manifest is unreadable."""
-    cols = [c for c in _SNAPSHOT_COLUMNS if c.header != "error" or any("error" in r for r in rows)]
-    return _table(None, cols, rows, wide)
+def snapshots_table(rows: Sequence[Record], *, wide: bool = False, width: int | None = None) -> Table:
+    """Rows of ``dsec.snapshot.listing``. Default: id, kind, step, mode, stored size, blocking time (less blocking
+    time, then mode, where ``width`` is too narrow); ``wide`` adds the base, the full size and the total time.
+    An unreadable manifest is a row of kind ``unreadable``; its error is for the caller to print in full."""
+    return _table(None, _SNAPSHOT_COLUMNS, rows, wide, width)
 
 
 _PLACEMENT_COLUMNS = (
     _Col("worker", lambda a: Text(a["worker"]), ident=True),
     _Col("group", lambda a: Text(a["group"]), ident=True, default=False),
-    _Col("role", lambda a: a["role"]),
+    _Col("role", lambda a: a["role"], drop=1),
     _Col("device", lambda a: Text(a["device"]), ident=True),
     _Col("node", lambda a: Text(a["node"]), ident=True),
     _Col("numa", lambda a: str(a["numa_node"]), "right", default=False),
@@ -259,11 +298,11 @@ _PLACEMENT_COLUMNS = (
 )
 
 
-def placement_table(p: Mapping[str, Any], *, wide: bool = False) -> Table:
+def placement_table(p: Mapping[str, Any], *, wide: bool = False, width: int | None = None) -> Table:
     """A placement (``Placement.to_dict``): each worker's device and the terms of its score; ``wide`` adds the
     group and the NUMA node."""
     title = f"placement of {p['job']}: score {p['score']:g}" + ("" if p["complete"] else " (INCOMPLETE)")
-    return _table(title, _PLACEMENT_COLUMNS, p["assignments"], wide)
+    return _table(title, _PLACEMENT_COLUMNS, p["assignments"], wide, width)
 
 
 # Past this many devices excluded for one reason, the default view counts them instead of naming them.

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,56 @@ def test_bad_input_is_a_clear_error(store: tuple[Path, torch.nn.Module], args: t
     root, _ = store
     code, out = _cli(*(a.format(root=root) for a in args))
     assert code in (1, 2) and message in out, out
+
+
+LONG_WORKER = "default-ppo-cartpole-learners-rank-0"  # piped through `| less`, ids used to print as `defaul…`
+
+
+@pytest.fixture
+def long_named(tmp_path: Path) -> Path:
+    model = torch.nn.Linear(8, 8)
+    with Snapshotter(LocalDirStore(tmp_path / "s"), LONG_WORKER, level=0, base_every=2) as snap:
+        snap.register("model", model)
+        for i in range(3):
+            snap.take(step=i, wait=True)
+    return tmp_path / "s"
+
+
+def test_ls_piped_keeps_ids_whole_in_100_columns(long_named: Path) -> None:
+    """The real command on a pipe (no terminal, no $COLUMNS): 100 columns, every id on one line, uncut."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsec.cli", "snapshots", "ls", "--dir", str(long_named)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 100 for line in lines), proc.stdout
+    for n in (1, 2, 3):
+        assert any(f"{LONG_WORKER}/{n} " in line for line in lines), proc.stdout
+    assert "…" not in proc.stdout
+    assert "stored MiB" in proc.stdout and "full MiB" not in proc.stdout  # the detail is behind --wide
+
+
+def test_ls_wide_has_every_column_and_80_columns_keep_ids(long_named: Path) -> None:
+    result = CliRunner().invoke(app, ["snapshots", "ls", "--dir", str(long_named), "--wide"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    for header in ("base", "full MiB", "stored MiB", "blocking ms", "total ms"):
+        assert header in result.output
+    result = CliRunner().invoke(app, ["snapshots", "ls", "--dir", str(long_named)], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert all(len(line) <= 80 for line in lines) and any(f"{LONG_WORKER}/3 " in line for line in lines)
+
+
+def test_ls_prints_an_unreadable_manifest_error_whole(long_named: Path) -> None:
+    (long_named / "manifests" / LONG_WORKER / "00000009.json").write_text("{not json")
+    result = CliRunner().invoke(app, ["snapshots", "ls", "--dir", str(long_named)], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if f"{LONG_WORKER}/9 " in line)
+    assert "unreadable" in row
+    text = " ".join(result.output.split())  # the message wraps below the table, uncut
+    assert f"snapshot {LONG_WORKER}/9: not valid JSON" in text and "(char 1))" in text
