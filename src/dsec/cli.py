@@ -80,12 +80,13 @@ def status(
             if json_out:
                 print_json(c.status())
                 return
+            first = view()
             if wide:
-                widen(console, view())
+                widen(console, first)
             if watch <= 0:
-                console.print(view())
+                console.print(first)
                 return
-            with Live(view(), console=console, refresh_per_second=4) as live:
+            with Live(first, console=console, refresh_per_second=4) as live:
                 while True:
                     time.sleep(watch)
                     live.update(view())
