@@ -448,3 +448,143 @@ def test_a_precision_restore_waits_for_stability_and_returns_the_original() -> N
     assert (ev.type, ev.ts, ev.worker_id, ev.pool) == (EventType.RECOVERED, 160.0, "w5", "p")
     assert ev.data == {"kind": "precision_restored", "from": "fp16", "to": "bf16", "stable_s": 60.0}
     assert precision_restore(w, guard, 500.0) is None  # restored once
+
+
+# -- survivors of the first mutation run over this file (docs/testing.md) ----------------------------------------------
+def envelope(e: Event) -> tuple[object, ...]:
+    return (e.ts, e.worker_id, e.pool)
+
+
+def test_every_alert_a_beat_raises_is_dated_and_attributed_to_its_worker() -> None:
+    drift = judge_beat(beat(view(1), (anomaly(kind="replica_drift"),)), Breaker(), PrecisionGuard())
+    assert [envelope(e) for e in drift.events] == [(7.0, "w1", "p")]
+    guard = PrecisionGuard()
+    nan = judge_beat(beat(view(1, precision="bf16"), (anomaly(kind="non_finite_gradient"),)), Breaker(), guard)
+    assert [envelope(e) for e in nan.events] == [(7.0, "w1", "p")] and guard.last_instability == 7.0
+    guard = PrecisionGuard()
+    none = judge_beat(beat(view(1, precision="fp32"), (anomaly(kind="non_finite_gradient"),)), Breaker(), guard)
+    assert [envelope(e) for e in none.events] == [(7.0, "w1", "p")] and guard.last_instability == 7.0
+
+
+def test_a_spike_is_dated_by_the_beat_in_the_guard_and_the_alert() -> None:
+    guard = PrecisionGuard(min_history=3)
+    for t in range(3):
+        judge_beat(beat(view(precision="bf16", metrics={"grad_norm": 1.0}), now=float(t)), Breaker(), guard)
+    spike = judge_beat(beat(view(precision="bf16", metrics={"grad_norm": 50.0}), now=9.0), Breaker(), guard)
+    assert guard.last_instability == 9.0 and [envelope(e) for e in spike.events] == [(9.0, "w0", "p")]
+
+
+def test_an_ack_of_the_breakers_directive_is_a_move_without_a_patch() -> None:
+    from dsec.breaker import BreakerConfig
+
+    breaker = Breaker(BreakerConfig(window_s=10.0, min_samples=3))
+    w = view(metrics={"sync_latency_ms_p50": 200.0})
+    for t in range(3):
+        v = judge_beat(beat(w, now=float(t)), breaker, PrecisionGuard())
+    assert v.breaker_issued
+    breaker.issued(5, 2.0)
+    acked = BeatInputs(w, POOL, beat(w).caps, {}, (), 5, 3.0)
+    v = judge_beat(acked, breaker, PrecisionGuard())
+    assert v.breaker_moved and not v.breaker_issued and v.patch == {} and v.actors == []
+    assert [(e.type, e.data["trigger"], e.data["action"]) for e in v.events] == [(EventType.BREAKER, "acked", "none")]
+    assert breaker.awaiting_version is None
+
+
+def test_a_memory_meltdown_caps_the_grant_at_the_memory_cap() -> None:
+    from dsec.breaker import BreakerConfig
+
+    breaker = Breaker(BreakerConfig(window_s=10.0, min_samples=3))
+    w = view(metrics={"memory_used_gb": 25.0})
+    for t in range(3):
+        v = judge_beat(beat(w, now=float(t)), breaker, PrecisionGuard())
+    assert v.breaker_issued and v.patch["memory_quota_gb"] == 20.0 and v.patch["grad_accum_steps"] >= 4
+
+
+def test_quota_planning_uses_the_given_config() -> None:
+    pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    ws = [view(0, metrics={"memory_used_gb": 7.9}, memory_quota_gb=8.0, memory_limit_gb=16.0)]
+    assert plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0).changes  # 7.9 / 8 is past the default 0.85
+    late = QuotaConfig(grow_when_used_fraction=0.99)
+    assert [c.patch for c in plan_pool_quotas(pool, 40.0, ws, late, 3.0).changes] == []
+
+
+def test_a_limit_is_bounded_by_one_devices_memory_and_the_workers_own_ceiling() -> None:
+    roomy = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=30.0)
+    ws = [view(0, metrics={"memory_used_gb": 7.0}, memory_quota_gb=8.0)]
+    (change,) = plan_pool_quotas(roomy, 40.0, ws, QuotaConfig(), 3.0, device_gb=20.0).changes
+    assert change.patch["memory_limit_gb"] == 20.0  # not the pool's 40 GB of two cards
+    own = [view(0, metrics={"memory_used_gb": 7.0}, memory_quota_gb=8.0, memory_ceiling_gb=10.0)]
+    (change,) = plan_pool_quotas(roomy, 40.0, own, QuotaConfig(), 3.0, device_gb=20.0).changes
+    assert change.patch["memory_limit_gb"] == 10.0
+
+
+def test_only_a_burst_runs_a_limit_past_the_ceiling_and_an_idle_grant_comes_back() -> None:
+    pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    ws = [view(0, metrics={"memory_used_gb": 15.0}, memory_quota_gb=16.0)]
+    calm = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, device_gb=20.0).changes
+    assert calm[0].patch["memory_limit_gb"] == 16.0
+    burst = {"w0": MemoryTrend(t=3.0, used_gb=15.0, ramp_gb_per_s=1.0, peak_gb=15.0, peak_t=3.0, burst_t=3.0)}
+    bursting = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, trends=burst, device_gb=20.0).changes
+    assert bursting[0].patch["memory_limit_gb"] == 20.0
+    idle = [view(0, metrics={"memory_used_gb": 2.0}, memory_quota_gb=14.0, memory_limit_gb=14.0)]
+    trend = {"w0": MemoryTrend.first(2.0, 0.0)}
+    (change,) = plan_pool_quotas(pool, 40.0, idle, QuotaConfig(), 3.0, trends=trend).changes
+    assert change.patch["memory_quota_gb"] == 8.0 and "idle grant reclaimed" in change.events[0].data["reason"]
+    no_trend = plan_pool_quotas(pool, 40.0, idle, QuotaConfig(), 3.0).changes  # no peak to judge the grant by
+    assert all("memory_quota_gb" not in c.patch for c in no_trend)
+
+
+def test_a_limit_only_change_has_an_empty_reason() -> None:
+    pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    ws = [view(0, metrics={"memory_used_gb": 1.0}, memory_quota_gb=8.0)]
+    (change,) = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, device_gb=20.0).changes
+    assert change.events[0].data["reason"] == ""
+
+
+def test_gauge_edges_one_sync_and_no_lost_workers() -> None:
+    assert sync_success(1.0, 1.0) == 1.0
+    g = PoolGauges(0.0, math.nan, math.nan, 0.0, {WorkerState.ACTIVE: 2}, 0)
+    assert policy_samples({"q": g})[("dsec_workers_lost", "q", None)] == 0.0
+
+
+def test_occupancy_counts_every_judged_and_slow_worker_of_a_device() -> None:
+    from dsec.decide import occupancy
+
+    occ = occupancy([("d0", "a"), ("d0", "b"), ("d0", "c")], judged={"a", "b"}, slow={"a", "b"})
+    assert (occ["d0"].workers, occ["d0"].judged, occ["d0"].slow) == (3, 2, 2)
+
+
+def test_the_fleet_judgment_uses_the_given_config_and_reports_every_new_outlier() -> None:
+    ws = [view(i, metrics={"step_ms_mean": 100.0 + i}) for i in range(3)]
+    ws += [view(3, metrics={"step_ms_mean": 900.0}), view(4, metrics={"step_ms_mean": 950.0})]
+    ws += [view(5 + i, metrics={"step_ms_mean": 101.0}) for i in range(3)]
+    v = judge_pool(POOL, "p", ws, {}, False, FleetConfig(), 1.0)
+    assert [(e.worker_id, e.type) for e in v.events] == [
+        ("w3", EventType.ANOMALY),
+        ("w3", EventType.ALERT),
+        ("w4", EventType.ANOMALY),
+        ("w4", EventType.ALERT),
+    ]
+    assert all(e.ts == 1.0 for e in v.events)
+    few = [view(i, metrics={"step_ms_mean": 100.0 + i}) for i in range(3)] + [view(3, metrics={"step_ms_mean": 900.0})]
+    assert judge_pool(POOL, "p", few, {}, False, FleetConfig(), 1.0).flags["w3"] == {"step_ms_mean"}
+    assert judge_pool(POOL, "p", few, {}, False, FleetConfig(min_peers=5), 1.0).flags["w3"] == set()
+
+
+def test_the_cap_safety_floor_takes_the_fleets_peer_count_and_margin() -> None:
+    two = [view(i, metrics={"sync_latency_ms_p50": 60.0}) for i in range(2)]
+    assert judge_pool(POOL, "p", two, {}, False, FleetConfig(), 1.0).latency_floor_ms is None  # fewer than 3 peers
+    three = [view(i, metrics={"sync_latency_ms_p50": 30.0}) for i in range(3)]
+    assert judge_pool(POOL, "p", three, {}, False, FleetConfig(), 1.0, margin=0.2).latency_floor_ms is None
+    assert judge_pool(POOL, "p", three, {}, False, FleetConfig(), 1.0, margin=0.5).latency_floor_ms == 45.0
+
+
+def test_a_pool_of_exactly_the_minimum_peers_can_be_slow_and_counts_only_workers_over_the_cap() -> None:
+    cfg = FleetConfig()
+    costs = [50.0] + [80.0] * (cfg.min_peers - 1)
+    v = judge_pool(POOL, "p", [view(i, metrics={"sync_latency_ms_p50": c}) for i, c in enumerate(costs)], {}, False,
+                   cfg, 1.0)  # fmt: skip
+    assert v.slow_pool
+    (alert,) = [e for e in v.events if e.type is EventType.ALERT]
+    n = cfg.min_peers
+    assert alert.data["summary"] == f"median sync cost 80.0 ms over the pool's cap 50 ms on {n - 1}/{n} workers"
