@@ -29,6 +29,7 @@ from dsec.cli_policy import metrics_app, policy_app
 from dsec.cli_serve import serve
 from dsec.cli_sim import simulate
 from dsec.cli_snapshots import snapshots_app
+from dsec.cli_top import top
 from dsec.client import ClientError
 from dsec.yamlconf import ConfigError
 
@@ -48,6 +49,7 @@ app.add_typer(placement_app, name="placement")
 app.command("simulate")(simulate)
 app.command("serve")(serve)
 app.command("launch")(launch)
+app.command("top")(top)
 
 
 @app.command()

@@ -1,6 +1,6 @@
-"""What every ``dsec`` sub-command module shares: the endpoint and admin-token options, the admin client, the
-listings' console and ``--wide`` / ``--json`` options, and the error exit (plain text: messages carry paths and
-``field[0]`` locations that must stay greppable)."""
+"""What every ``dsec`` sub-command module shares: the endpoint and admin-token options (``ReadToken``: the same, for
+commands a read-only token is enough for), the admin client, the listings' console and ``--wide`` / ``--json``
+options, and the error exit (plain text: messages carry paths and ``field[0]`` locations that must stay greppable)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ AdminToken = Annotated[
         envvar="DSEC_ADMIN_TOKEN",
         show_default=False,
         help="Admin token (default: $DSEC_HOME/admin.token); a read-only token does for commands that only read.",
+    ),
+]
+ReadToken = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        "--admin-token",
+        envvar=["DSEC_READ_TOKEN", "DSEC_ADMIN_TOKEN"],
+        show_default=False,
+        help="A read-only token (`dsec token create --read`) or the admin token (default: $DSEC_HOME/admin.token).",
     ),
 ]
 DEFAULT_ENDPOINT = "http://127.0.0.1:8080"

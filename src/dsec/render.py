@@ -24,7 +24,7 @@ from dsec import telemetry
 
 Record = Mapping[str, Any]
 
-_STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
+STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
 
 # Metrics shown in the wide workers table when a worker reports them (first found wins per column).
 _METRIC_COLUMNS: tuple[tuple[str, tuple[telemetry.Metric, ...]], ...] = (
@@ -138,7 +138,7 @@ def pools_table(status: Mapping[str, Any], *, wide: bool = False, width: int | N
     return _table("Pools", _POOL_COLUMNS, status.get("pools", []), wide, width)
 
 
-_PHASE_STYLE = {
+PHASE_STYLE = {
     "closed": "green",
     "open": "bold red",
     "escalating": "red",
@@ -162,7 +162,7 @@ def _versions(w: Record) -> str:
 def _breaker(w: Record) -> str:
     b = w.get("breaker") or {}
     phase = b.get("phase", "closed")
-    text = f"[{_PHASE_STYLE.get(phase, 'white')}]L{b.get('level', 0)} {phase}"
+    text = f"[{PHASE_STYLE.get(phase, 'white')}]L{b.get('level', 0)} {phase}"
     return text + (f" ({w['meltdowns']}x)" if w.get("meltdowns") else "")
 
 
@@ -180,7 +180,7 @@ def _worker_columns(now: float) -> tuple[_Col, ...]:
         _Col("group", lambda w: Text(w["group"]), ident=True, default=False),
         _Col("role", lambda w: w["role"], drop=1),
         _Col("rank", lambda w: str(w["rank"]), "right", default=False),
-        _Col("state", lambda w: f"[{_STATE_STYLE.get(w['state'], 'white')}]{w['state']}"),
+        _Col("state", lambda w: f"[{STATE_STYLE.get(w['state'], 'white')}]{w['state']}"),
         _Col("beats", lambda w: str(w["beats"]), "right", default=False),
         _Col("last beat", lambda w: f"{max(0.0, now - w['last_beat_at']):.1f}s ago", "right", drop=2),
         _Col("breaker", _breaker, "right"),
