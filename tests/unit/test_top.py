@@ -9,17 +9,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from dsec.cli_top import (
-    ViewState,
-    build_frame,
-    build_rows,
-    detail_frame,
-    detail_view,
-    frame_view,
-    parse_gauges,
-    split_keys,
-    worker_row,
-)
+from dsec.top.frame import build_frame, build_rows, parse_gauges, worker_row
+from dsec.top.keys import ViewState, split_keys
+from dsec.top.view import detail_frame, detail_view, frame_view
 
 CAP = 85.0
 
