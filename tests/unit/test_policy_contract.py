@@ -145,3 +145,24 @@ def test_durations_and_token_edges() -> None:
         parse("x > Q$", M)
     assert e.value.offset == 5 and e.value.message == "unexpected character '$'"
     assert parse("X_1 > 1", ["X_1"]).metrics == {"X_1"}
+
+
+def test_depth_comes_back_exactly_after_a_group_or_a_negation() -> None:
+    # A closed group or negation leaves the depth where it was: the next sibling may nest exactly MAX_NESTING deep,
+    # and one more level is refused at that level's own offset.
+    for first in ("(x)", "-x", "((x))"):
+        prefix = f"{first} + "
+        assert parse(prefix + "(" * MAX_NESTING + "x" + ")" * MAX_NESTING, M).metrics == {"x"}
+        with pytest.raises(ExprError) as e:
+            parse(prefix + "(" * (MAX_NESTING + 1) + "x" + ")" * (MAX_NESTING + 1), M)
+        assert e.value.offset == len(prefix) + MAX_NESTING
+        with pytest.raises(ExprError) as e:
+            parse(prefix + "-" * (MAX_NESTING + 1) + "x", M)
+        assert e.value.offset == len(prefix) + MAX_NESTING
+
+
+def test_the_shortest_window_is_one_second_and_a_bad_word_is_quoted_whole() -> None:
+    assert parse("increase(x[1s]) > 0", M).window_s == 1.0
+    with pytest.raises(ExprError) as e:
+        parse("x > 5Qz", M)
+    assert e.value.message.startswith("'5Qz' is neither a number nor a duration") and e.value.offset == 4
