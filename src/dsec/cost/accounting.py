@@ -200,9 +200,9 @@ def worker_segments(
         if e.worker_id != w.id:
             continue
         if e.type in (EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
-            level = e.data.get("level_to")
-            if isinstance(level, int) and not isinstance(level, bool):
-                marks.append((e.ts, i, "level", level))
+            to = e.data.get("level_to")
+            if isinstance(to, int) and not isinstance(to, bool):
+                marks.append((e.ts, i, "level", to))
         elif e.type is EventType.LOST:
             marks.append((e.ts, i, "fail", True))
         elif e.type is EventType.REJOINED:
@@ -213,7 +213,7 @@ def worker_segments(
     for t in handovers:
         marks.append((t, len(evs), "handover", True))
     marks.sort(key=lambda m: (m[0], m[1]))
-    level: int = 0
+    level = 0
     failed, restoring = False, restoring_at_start
     out: list[Segment] = []
 
