@@ -24,6 +24,7 @@ from dsec.cli_common import (
     stdout_console,
     widen,
 )
+from dsec.cli_cost import cost
 from dsec.cli_launch import launch, placement_app
 from dsec.cli_policy import metrics_app, policy_app
 from dsec.cli_serve import serve
@@ -48,6 +49,7 @@ app.add_typer(placement_app, name="placement")
 app.command("simulate")(simulate)
 app.command("serve")(serve)
 app.command("launch")(launch)
+app.command("cost")(cost)
 
 
 @app.command()

@@ -176,17 +176,22 @@ def _ok_restore(ev: Event) -> bool:
 
 
 def worker_segments(
-    w: WorkerRecord, events: Sequence[Event], window: Window, handovers: Sequence[float] = ()
+    w: WorkerRecord,
+    events: Sequence[Event],
+    window: Window,
+    handovers: Sequence[float] = (),
+    now: float | None = None,
 ) -> list[Segment]:
-    """The worker's phases within ``window``. ``events``: the worker's state events (any order, any time) and the
-    ``recovery`` events that name it; ``handovers``: times another worker registered on its device."""
+    """The worker's phases within ``window`` (and before ``now``: the future holds no device). ``events``: the
+    worker's state events (any order, any time) and the ``recovery`` events that name it; ``handovers``: times
+    another worker registered on its device."""
     evs = sorted(events, key=lambda e: (e.ts, e.id or 0))
     end = w.ended_at
     for e in evs:
         if e.type is EventType.DEREGISTERED and e.worker_id == w.id:
             end = e.ts if end is None else min(end, e.ts)
     start = w.registered_at
-    stop = min(window.until, end if end is not None else window.until)
+    stop = min(window.until, end if end is not None else window.until, now if now is not None else window.until)
     # Changes of state, each (ts, order, what, value); replayed in time order.
     marks: list[tuple[float, int, str, Any]] = []
     first = next((e for e in evs if e.type is not EventType.REGISTERED and e.worker_id == w.id), None)
@@ -428,6 +433,7 @@ def account(
     window: Window,
     price_per_device_hour: float = 0.0,
     process: ProcessUsage | None = None,
+    now: float | None = None,
 ) -> CostReport:
     """The cost report for ``workers`` over ``window`` from ``events`` (the state events of their whole lives, the
     window's ``snapshot`` and ``recovery`` events). Every worker's phase seconds add up to its allocated seconds in
@@ -456,7 +462,7 @@ def account(
     step_estimates = 0
     for w in workers:
         handovers = [t for t, other in registrations.get(w.device or "", ()) if other != w.id and t > w.registered_at]
-        segs = worker_segments(w, by_worker.get(w.id, ()), window, handovers)
+        segs = worker_segments(w, by_worker.get(w.id, ()), window, handovers, now)
         if not segs:
             continue
         pc = pools.setdefault(w.pool, PoolCost(w.pool))
