@@ -248,8 +248,8 @@ WORKERS = _server("dsec_workers", G, "1", "registered workers by state", ("pool"
 POOL_MEMORY_GB = _server(
     "dsec_pool_memory_gb", G, "GB", "pool memory: capacity, granted, used", ("pool", "kind"), prometheus=True
 )
-COST_DEVICE_HOURS = _server(
-    "dsec_cost_device_hours", G, "h", "device-hours allocated over the last hour by phase (GET /v1/cost)",
+COST_DEVICE_SECONDS = _server(
+    "dsec_cost_device_seconds", G, "s", "device-seconds allocated over the last hour by phase (GET /v1/cost)",
     ("pool", "phase"), prometheus=True,
 )  # fmt: skip
 COST_SNAPSHOT_BYTES = _server(

@@ -114,11 +114,11 @@ def test_cost_splits_device_hours_and_a_meltdown_shows_as_degraded(cp: Harness) 
     # the gauges: the last hour's report, recomputed by the reconcile loop
     def degraded_gauge() -> float:
         for line in cp.admin.metrics_text().splitlines():
-            if line.startswith('dsec_cost_device_hours{phase="degraded",pool="pool-a"}'):
+            if line.startswith('dsec_cost_device_seconds{phase="degraded",pool="pool-a"}'):
                 return float(line.split()[-1])
         return 0.0
 
-    wait_for(lambda: degraded_gauge() > 0, timeout=10, what="dsec_cost_device_hours degraded > 0")
+    wait_for(lambda: degraded_gauge() > 0, timeout=10, what="dsec_cost_device_seconds degraded > 0")
 
     env = {"DSEC_ENDPOINT": cp.url, "DSEC_ADMIN_TOKEN": cp.admin_token, "COLUMNS": "100"}
     out = CliRunner().invoke(app, ["cost", "--since", "600", "--json"], env=env)

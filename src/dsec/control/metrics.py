@@ -121,8 +121,9 @@ class CostCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         hours = GaugeMetricFamily(
-            "dsec_cost_device_hours",
-            "Device-hours allocated in the pool over the last hour, by phase: useful, degraded, recovering, idle.",
+            "dsec_cost_device_seconds",
+            "Device-seconds allocated in the pool over the last hour (device-hours x 3600), by phase: useful, "
+            "degraded, recovering, idle.",
             labels=["pool", "phase"],
         )
         snap_bytes = GaugeMetricFamily(
@@ -137,7 +138,7 @@ class CostCollector(Collector):
         for pool, pc in sorted((report.pools if report is not None else {}).items()):
             for phase, value in pc.hours.to_dict().items():
                 if phase != "total":
-                    hours.add_metric([pool, phase], value)
+                    hours.add_metric([pool, phase], value * 3600)
             snap_bytes.add_metric([pool], float(pc.snapshots.get("bytes", 0.0)))
             snap_s.add_metric([pool], float(pc.snapshots.get("background_s", 0.0)))
         yield from (hours, snap_bytes, snap_s)
