@@ -152,3 +152,30 @@ def test_a_bad_window_is_a_422_naming_the_field(cp: Harness, params: dict[str, f
 def test_the_cli_refuses_an_empty_window() -> None:
     out = CliRunner().invoke(app, ["cost", "--since", "10", "--until", "20"], env={"COLUMNS": "100"})
     assert out.exit_code == 2 and "--until" in out.output
+
+
+def test_a_lost_worker_recovers_and_a_worker_without_progress_idles(cp: Harness) -> None:
+    t0 = time.time()
+    flaky = cp.register("pool-a", device="gpu-0", heartbeat_interval_s=0.1)
+    waiting = cp.register("pool-b", device="gpu-1", heartbeat_interval_s=5.0)
+    fc, wc = cp.client(flaky.token), cp.client(waiting.token)
+    seq = 0
+
+    def beat() -> None:
+        nonlocal seq
+        seq += 1
+        fc.heartbeat(flaky.id, seq, acked_directive_version=1, metrics={"updates_total": float(seq)})
+
+    for _ in range(5):
+        beat()
+        time.sleep(0.05)
+    wc.heartbeat(waiting.id, 1, acked_directive_version=1, metrics={"memory_used_gb": 1.0})  # no progress
+    wait_for(lambda: cp.admin.worker(flaky.id)["state"] == "lost", timeout=10, what="the flaky worker lost")
+    time.sleep(0.5)
+    beat()  # rejoins
+    assert cp.admin.worker(flaky.id)["state"] == "active"
+    report = cp.admin.cost(since=t0 - 1)
+    a, b = _pool(report, "pool-a")["device_hours"], _pool(report, "pool-b")["device_hours"]
+    assert a["recovering"] * 3600 >= 0.45, a
+    assert a["total"] == pytest.approx(a["useful"] + a["recovering"], rel=1e-9) and a["degraded"] == a["idle"] == 0
+    assert b["idle"] > 0 and b["idle"] == pytest.approx(b["total"], rel=1e-9)
