@@ -24,6 +24,7 @@ from dsec.cli_common import (
     stdout_console,
     widen,
 )
+from dsec.cli_cost import cost
 from dsec.cli_launch import launch, placement_app
 from dsec.cli_policy import metrics_app, policy_app
 from dsec.cli_serve import serve
@@ -50,6 +51,7 @@ app.command("simulate")(simulate)
 app.command("serve")(serve)
 app.command("launch")(launch)
 app.command("top")(top)
+app.command("cost")(cost)
 
 
 @app.command()

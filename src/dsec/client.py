@@ -195,6 +195,11 @@ class Client:
             params["type"] = list(types)
         return dict(self.request("GET", "/v1/events", params=params))
 
+    def cost(self, pool: str | None = None, since: float | None = None, until: float | None = None) -> dict[str, Any]:
+        """``GET /v1/cost``: cost accounting over [since, until) (unix seconds; default the last hour)."""
+        params = {k: v for k, v in (("pool", pool), ("since", since), ("until", until)) if v is not None}
+        return dict(self.request("GET", "/v1/cost", params=params))
+
     def all_events(self, **filters: Any) -> list[dict[str, Any]]:
         """Every matching event, following the cursor."""
         out: list[dict[str, Any]] = []

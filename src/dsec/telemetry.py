@@ -248,6 +248,18 @@ WORKERS = _server("dsec_workers", G, "1", "registered workers by state", ("pool"
 POOL_MEMORY_GB = _server(
     "dsec_pool_memory_gb", G, "GB", "pool memory: capacity, granted, used", ("pool", "kind"), prometheus=True
 )
+COST_DEVICE_SECONDS = _server(
+    "dsec_cost_device_seconds", G, "s", "device-seconds allocated over the last hour by phase (GET /v1/cost)",
+    ("pool", "phase"), prometheus=True,
+)  # fmt: skip
+COST_SNAPSHOT_BYTES = _server(
+    "dsec_cost_snapshot_bytes", G, "bytes", "snapshot bytes written over the last hour (snapshot events)", POOL,
+    prometheus=True,
+)  # fmt: skip
+COST_SNAPSHOT_BACKGROUND_SECONDS = _server(
+    "dsec_cost_snapshot_background_seconds", G, "s", "snapshot background time over the last hour (total_ms)", POOL,
+    prometheus=True,
+)  # fmt: skip
 HEARTBEATS_TOTAL = _server("dsec_heartbeats_total", C, "1", "heartbeats applied", POOL, prometheus=True)
 HTTP_REQUESTS_TOTAL = _server(
     "dsec_http_requests_total", C, "1", "HTTP requests", ("route", "method", "status"), prometheus=True

@@ -10,6 +10,7 @@ were generated, so negative cases stay negative.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import schemathesis
@@ -50,7 +51,28 @@ def _violates_cross_field_rule(case: Any) -> bool:
         world = body.get("world")
         ranks = [body.get(k) for k in ("rank", "dead_rank")]
         return _number(world, 1, 65536) and any(_number(r, 0, 65535) and r >= world for r in ranks)
+    if (method, path) == ("GET", "/v1/cost"):
+        return _empty_window(case.query if isinstance(case.query, dict) else {})
     return False
+
+
+def _seconds(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if 0 <= v < float("inf") else None
+
+
+def _empty_window(query: dict[str, Any]) -> bool:
+    """GET /v1/cost: ``until`` after ``since`` (defaults: until now, since one hour before until, at least 0)."""
+    since = _seconds(query.get("since")) if "since" in query else None
+    until = _seconds(query.get("until")) if "until" in query else None
+    if ("since" in query and since is None) or ("until" in query and until is None):
+        return False  # an invalid value: the case stays negative
+    end = time.time() - 60 if until is None else until  # the server's now (a minute early: near it, drop the case)
+    start = max(0.0, end - 3600) if since is None else since
+    return end <= start
 
 
 @schemathesis.hook

@@ -125,7 +125,7 @@ def test_a_read_token_reads_everything_and_changes_nothing(server: Harness) -> N
     c = server.client(read)
     for path in ("/v1/status", "/v1/workers", f"/v1/workers/{w.id}", f"/v1/workers/{w.id}/directive", "/v1/pools",
                  "/v1/pools/pool-a", "/v1/devices", "/v1/events", "/v1/policies", "/v1/metrics/series",
-                 "/v1/placements", "/v1/profiles", "/v1/runtimes"):  # fmt: skip
+                 "/v1/placements", "/v1/profiles", "/v1/runtimes", "/v1/cost"):  # fmt: skip
         assert status_of(c, "GET", path) == 200, path
     writes = [
         ("PATCH", f"/v1/workers/{w.id}/directive", {"compression_bits": 8}),

@@ -38,6 +38,7 @@ NOT_ADMIN = {
     ("GET", "/v1/placements/{job}"),
     ("GET", "/v1/profiles"),
     ("GET", "/v1/metrics/series"),
+    ("GET", "/v1/cost"),
     ("GET", "/v1/runtimes"),
     # runtimes: a pool token registers one for its own pool; the runtime's own token reports
     ("POST", "/v1/runtimes"),

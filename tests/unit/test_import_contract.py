@@ -31,6 +31,7 @@ CORES = (
     "dsec.heal",
     "dsec.alerts",
     "dsec.decide",
+    "dsec.cost",
 )
 
 # Never, from any core, at any depth: these are the adapters and entry points that sit on top of the cores.

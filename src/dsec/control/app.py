@@ -53,6 +53,7 @@ from dsec.control.schemas import (
 from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import EventQuery, Store, StoreError, open_store
+from dsec.cost import Window, WindowError
 from dsec.fsutil import private_dir
 from dsec.model import Device, DeviceHealth, Event, EventType, ModelError, Pool, PoolThresholds, WorkerState
 from dsec.scheduler.placement import job_from_dict
@@ -357,6 +358,36 @@ def admin_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON(cp.policies.series.export())
 
+    @r.get("/cost", responses=documented(503))
+    async def cost(
+        request: Request,
+        authorization: Auth = None,
+        pool: Annotated[str | None, Query(max_length=128)] = None,
+        since: Annotated[
+            float | None, Query(ge=0, allow_inf_nan=False, description="unix seconds; default: until - 3600")
+        ] = None,
+        until: Annotated[
+            float | None, Query(ge=0, allow_inf_nan=False, description="unix seconds; default: now")
+        ] = None,
+    ) -> Response:
+        """Cost accounting over [since, until) per pool and group: device-hours (useful, degraded, recovering, idle)
+        and their price, DSec's own overhead, the opportunity cost of degrading (docs/observability.md, "Cost
+        accounting"). ``until`` must be after ``since`` (422 naming the field: ``until`` when it was given, else
+        ``since``)."""
+        cp = _cp(request)
+        cp.require_read(bearer(authorization))
+        end = cp.clock() if until is None else until
+        start = end - 3600.0 if since is None else since
+        if since is None:
+            start = max(0.0, start)
+        try:
+            window = Window(start, end)
+        except WindowError as exc:
+            name = exc.field if exc.field == "since" or until is not None else "since"
+            raise ApiError(422, "invalid", str(exc), name) from None
+        report = await cp.cost.report(window, pool)
+        return JSON(report.to_dict())
+
     r.include_router(admin)
     return r
 
@@ -438,7 +469,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     )
     app.state.cp = cp
     app.state.settings = settings
-    app.state.metrics = ControlPlaneMetrics(cp.gauges)
+    app.state.metrics = ControlPlaneMetrics(cp.gauges, lambda: cp.cost.last)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, request_validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_exception_handler)
@@ -523,3 +554,4 @@ async def _reconcile_forever(cp: ControlPlane) -> None:
             await cp.reconcile()
         except Exception:  # the loop must survive a store outage; the next pass retries
             log.exception("reconcile pass failed")
+        await cp.cost.refresh()  # at most every cost_refresh_s; it logs its own failures

@@ -12,7 +12,7 @@ else (see docs/protocol.md). ``dsec_snapshot_recovery_time`` is in seconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from dsec.control.ports import GaugeSource
+    from dsec.cost import CostReport
 
 
 class PoolCollector(Collector):
@@ -111,12 +112,46 @@ class PoolCollector(Collector):
         yield from (util, sync, recovery, melt, workers, pending, worker_melt, level, sync_latency, latency_cap, memory)
 
 
+class CostCollector(Collector):
+    """dsec_cost_* gauges per pool from the last hour's cost report (recomputed every ``cost_refresh_s`` by the
+    reconcile loop, never at scrape time: a scrape reads no store). Labels: pool, and phase (4 values)."""
+
+    def __init__(self, last: Callable[[], CostReport | None]) -> None:
+        self._last = last
+
+    def collect(self) -> Iterator[Metric]:
+        hours = GaugeMetricFamily(
+            "dsec_cost_device_seconds",
+            "Device-seconds allocated in the pool over the last hour (device-hours x 3600), by phase: useful, "
+            "degraded, recovering, idle.",
+            labels=["pool", "phase"],
+        )
+        snap_bytes = GaugeMetricFamily(
+            "dsec_cost_snapshot_bytes", "Snapshot bytes written in the pool over the last hour.", labels=["pool"]
+        )
+        snap_s = GaugeMetricFamily(
+            "dsec_cost_snapshot_background_seconds",
+            "Background time of the pool's snapshots over the last hour (their total_ms), in seconds.",
+            labels=["pool"],
+        )
+        report = self._last()
+        for pool, pc in sorted((report.pools if report is not None else {}).items()):
+            for phase, value in pc.hours.to_dict().items():
+                if phase != "total":
+                    hours.add_metric([pool, phase], value * 3600)
+            snap_bytes.add_metric([pool], float(pc.snapshots.get("bytes", 0.0)))
+            snap_s.add_metric([pool], float(pc.snapshots.get("background_s", 0.0)))
+        yield from (hours, snap_bytes, snap_s)
+
+
 class ControlPlaneMetrics:
-    def __init__(self, gauges: GaugeSource) -> None:
+    def __init__(self, gauges: GaugeSource, cost: Callable[[], CostReport | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.registry.register(PoolCollector(gauges))
+        if cost is not None:
+            self.registry.register(CostCollector(cost))
         self.requests = Counter(
             "dsec_http_requests_total",
             "HTTP requests by route template, method and status.",

@@ -10,7 +10,8 @@ Parts (each in its own module, each given only what it uses — see ``ports.py``
 - ``judge.Judge`` — per-worker decision state over the pure decision core ``dsec.decide``;
 - ``scheduling.Scheduler``, ``policies.PolicyRunner``, ``runtimes.RuntimeHub`` — placement and device health,
   policy rules, runtime webhooks;
-- ``reconcile.Reconciler`` — the periodic pass; ``read_models.ReadModels`` — what the API shows.
+- ``reconcile.Reconciler`` — the periodic pass; ``read_models.ReadModels`` — what the API shows;
+- ``cost.CostMeter`` — cost accounting over the recorded events (``dsec.cost``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from dsec.alerts import AlertRouter, LogSink, Sink, WebhookSink
 from dsec.control.access import Access
 from dsec.control.beats import Beats
+from dsec.control.cost import CostMeter
 from dsec.control.directives import Directives
 from dsec.control.egress import Egress
 from dsec.control.eventlog import DurableLog
@@ -92,6 +94,7 @@ class ControlPlane:
             self.policies, clock,
         )  # fmt: skip
         self.reads = ReadModels(self.state, self.judge, self.beats, clock, self.started_at)
+        self.cost = CostMeter(self.state, store, settings, clock, self.started_at)
 
     @staticmethod
     def _alert_router(settings: Settings, extra: Iterable[Sink]) -> AlertRouter:

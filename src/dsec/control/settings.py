@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,10 @@ class Settings:
     webhook_max_response_bytes: int = 64 * 1024
     webhook_deliveries_kept: int = 100
     webhook_delivery_retention_s: float = 86_400.0
+    # Cost accounting (GET /v1/cost, dsec_cost_* gauges): the price of one device-hour (currency-neutral; 0: hours
+    # only; DSEC_COST_DEVICE_HOUR) and how often the gauges' last-hour report is recomputed.
+    cost_device_hour: float = 0.0
+    cost_refresh_s: float = 60.0
     # Serve /docs and /redoc (they load scripts from a CDN and describe every route to anyone).
     api_docs: bool = False
 
@@ -122,6 +127,10 @@ class Settings:
                      "retention_interval_s", "webhook_delivery_retention_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: expected > 0")
+        if not (math.isfinite(self.cost_device_hour) and self.cost_device_hour >= 0):
+            raise ValueError(f"cost_device_hour={self.cost_device_hour} is invalid: expected a finite number >= 0")
+        if not self.cost_refresh_s > 0:
+            raise ValueError(f"cost_refresh_s={self.cost_refresh_s} is invalid: expected > 0")
         if self.event_retention_s < 0:
             raise ValueError(f"event_retention_s={self.event_retention_s} is invalid: expected >= 0 (0: keep all)")
         if self.webhook_max_response_bytes < 1024:
@@ -132,7 +141,7 @@ class Settings:
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN, DSEC_WEBHOOK_ALLOW_PRIVATE,
-        DSEC_WEBHOOK_ALLOWED_HOSTS) <- explicit overrides."""
+        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR) <- explicit overrides."""
         home = Path(str(overrides.pop("home", None) or default_home()))
         url = (
             overrides.pop("database_url", None)
@@ -145,4 +154,11 @@ class Settings:
         if "webhook_allowed_hosts" not in overrides and os.environ.get("DSEC_WEBHOOK_ALLOWED_HOSTS"):
             hosts = os.environ["DSEC_WEBHOOK_ALLOWED_HOSTS"].split(",")
             overrides["webhook_allowed_hosts"] = tuple(h.strip() for h in hosts if h.strip())
+        if "cost_device_hour" not in overrides and os.environ.get("DSEC_COST_DEVICE_HOUR"):
+            try:
+                overrides["cost_device_hour"] = float(os.environ["DSEC_COST_DEVICE_HOUR"])
+            except ValueError:
+                raise ValueError(
+                    f"DSEC_COST_DEVICE_HOUR={os.environ['DSEC_COST_DEVICE_HOUR']!r} is invalid: expected a number"
+                ) from None
         return cls(home=home, database_url=str(url), admin_token=admin and str(admin), **overrides)  # type: ignore[arg-type]

@@ -1,0 +1,148 @@
+"""The executor of cost accounting: reads the workers (hot state), their events (the store, off the event loop) and
+the process itself, and hands them to the pure ``dsec.cost.account``. Also keeps the last hour's report for the
+``dsec_cost_*`` gauges, recomputed by the reconcile loop every ``cost_refresh_s``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from collections.abc import Sequence
+
+import psutil
+
+from dsec.control.ports import Clock
+from dsec.control.settings import Settings
+from dsec.control.state import HotState, LiveWorker
+from dsec.control.store import EventQuery, Store
+from dsec.cost import PROGRESS_METRICS, STATE_TYPES, WINDOW_TYPES, CostReport, ProcessUsage, Window, WorkerRecord
+from dsec.cost import account as account_events
+from dsec.model import Event, EventType, WorkerState
+
+log = logging.getLogger(__name__)
+
+#: At most this many events are read for one report; beyond it the report says so in ``notes``.
+MAX_EVENTS = 200_000
+DEFAULT_WINDOW_S = 3600.0
+
+
+def worker_record(w: LiveWorker) -> WorkerRecord:
+    """A live worker as the accounting sees it: one device when it names one (unknown otherwise), progress from its
+    latest cumulative counters, its end from its deregistration (its last beat after a restart)."""
+    ended = None
+    if w.state is WorkerState.DEREGISTERED:
+        ended = w.ended_at if w.ended_at is not None else w.last_beat_at
+    metrics = w.metrics
+    progressed = any(float(metrics.get(name, 0.0)) > 0 for name in PROGRESS_METRICS)
+    step_ms = metrics.get("step_ms_mean")
+    return WorkerRecord(
+        id=w.id,
+        pool=w.pool,
+        group=w.info.group,
+        registered_at=w.registered_at,
+        ended_at=ended,
+        device=w.info.device,
+        devices=1 if w.info.device else None,
+        progressed=progressed,
+        step_ms=float(step_ms) if step_ms is not None and math.isfinite(step_ms) and step_ms > 0 else None,
+    )
+
+
+def retired_records(events: Sequence[Event], known: set[str], pool: str | None) -> list[WorkerRecord]:
+    """Workers whose rows retention removed, rebuilt from their ``registered`` events (their device and metrics are
+    gone: both are left unknown)."""
+    out = []
+    for e in events:
+        if e.type is EventType.REGISTERED and e.worker_id and e.worker_id not in known and e.pool:
+            if pool is not None and e.pool != pool:
+                continue
+            group = e.data.get("group")
+            out.append(
+                WorkerRecord(
+                    e.worker_id,
+                    e.pool,
+                    group if isinstance(group, str) else "default",
+                    e.ts,
+                    devices=None,
+                    progressed=None,
+                )
+            )
+    return out
+
+
+def read_events(store: Store, types: Sequence[EventType], pool: str | None, since: float, until: float) -> list[Event]:
+    """Every event of ``types`` in [since, until) (of ``pool`` when given), paged, up to :data:`MAX_EVENTS`."""
+    out: list[Event] = []
+    after = 0
+    while len(out) < MAX_EVENTS:
+        q = EventQuery(pool=pool, types=tuple(types), since=since, until=until, after_id=after, limit=1000)
+        page = store.query_events(q)
+        out.extend(page)
+        if len(page) < 1000:
+            break
+        after = page[-1].id or after
+    return out
+
+
+def process_usage(started_at: float, now: float) -> ProcessUsage:
+    proc = psutil.Process(os.getpid())
+    with proc.oneshot():
+        cpu = proc.cpu_times()
+        rss = proc.memory_info().rss
+    return ProcessUsage(cpu_s=cpu.user + cpu.system, rss_bytes=int(rss), uptime_s=max(0.0, now - started_at))
+
+
+class CostMeter:
+    """Cost reports on demand (``GET /v1/cost``) and the last hour's, kept for the Prometheus collector."""
+
+    def __init__(self, state: HotState, store: Store, settings: Settings, clock: Clock, started_at: float) -> None:
+        self.state = state
+        self.store = store
+        self.settings = settings
+        self.clock = clock
+        self.started_at = started_at
+        self.last: CostReport | None = None
+        self._refreshed_at = -math.inf
+
+    async def report(self, window: Window, pool: str | None = None) -> CostReport:
+        """The report over ``window`` (nothing is allocated after now: the future holds no device)."""
+        now = self.clock()
+        live = [
+            worker_record(w)
+            for w in list(self.state.workers.values())
+            if (pool is None or w.pool == pool) and w.registered_at < window.until
+        ]
+        return await asyncio.to_thread(self._account, live, window, pool, now)
+
+    def _account(self, live: list[WorkerRecord], window: Window, pool: str | None, now: float) -> CostReport:
+        # The state replay needs each worker's whole life: from the earliest registration still held (or the
+        # window's start, for the registrations of workers retention removed since).
+        since_state = min([window.since, *(w.registered_at for w in live)])
+        until = min(window.until, now)
+        state_events = read_events(self.store, STATE_TYPES, pool, since_state, until) if until > since_state else []
+        window_events = read_events(self.store, WINDOW_TYPES, pool, window.since, until) if until > window.since else []
+        known = {w.id for w in live}
+        workers = live + retired_records(state_events, known, pool)
+        report = account_events(
+            workers,
+            [*state_events, *window_events],
+            window,
+            self.settings.cost_device_hour,
+            process_usage(self.started_at, now),
+            now,
+        )
+        if len(state_events) >= MAX_EVENTS or len(window_events) >= MAX_EVENTS:
+            report.notes.append(f"truncated: more than {MAX_EVENTS} events in the window; the oldest were read")
+        return report
+
+    async def refresh(self) -> None:
+        """Recompute the last hour's report when ``cost_refresh_s`` has passed (from the reconcile loop)."""
+        now = self.clock()
+        if now - self._refreshed_at < self.settings.cost_refresh_s:
+            return
+        self._refreshed_at = now
+        try:
+            self.last = await self.report(Window(max(0.0, now - DEFAULT_WINDOW_S), now))
+        except Exception:  # the gauges keep the previous report; the next pass retries
+            log.exception("cost report for the gauges failed")
