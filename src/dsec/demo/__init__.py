@@ -37,6 +37,7 @@ from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
 from dsec.demo import integrations as integration_scenes
+from dsec.demo import observe as observe_scenes
 from dsec.demo import policies as policy_scenes
 from dsec.demo import recovery as recovery_phase
 from dsec.demo import simulation as simulation_scene
@@ -346,6 +347,9 @@ def _summary(run: DemoRun, scenes_ok: dict[str, bool], elapsed: float) -> tuple[
     if "simulation" in run.state:
         for key, value in simulation_scene.summary_rows(run.state["simulation"]):
             add(key, value)
+    if "cost" in run.state:
+        for key, value in observe_scenes.cost_rows(run.state["cost"]):
+            add(key, value)
     metrics_text = run.state.get("metrics_text", "")
     for name in HEADLINE_METRICS:
         line = next((ln for ln in metrics_text.splitlines() if ln.startswith(f'{name}{{pool="{POOL}"}}')), None)
@@ -501,6 +505,16 @@ def run_demo(
                 simulation_scene.ran(run.state["simulation"])
             )
             console.print(pools_table(client.status(), wide=True))
+            console.print(f"`dsec top --once --pool {POOL}` with the read-only token (the live view, one frame):")
+            top = observe_scenes.top_frame(server.url, view_token, POOL)
+            console.print(top.get("text") or f"[red]{top.get('error')}", highlight=False, markup="text" not in top)
+            scenes_ok["dsec top: one frame with a read-only token, 100 columns, the lost worker first"] = (
+                observe_scenes.top_ok(top)
+            )
+            run.state["cost"] = observe_scenes.cost_report(client, POOL, start, time.time())
+            scenes_ok["cost accounting: the demo's device time split into useful/degraded/recovering/idle"] = (
+                observe_scenes.cost_ok(run.state["cost"])
+            )
             table, data = _summary(run, scenes_ok, time.time() - start)
             console.print(table)
             code = 0 if all(scenes_ok.values()) else 1
