@@ -1,26 +1,29 @@
 """Cost accounting (pure): device-hours by phase, DSec's own overhead and the opportunity cost of degrading, over
-recorded events and worker records. See ``accounting`` and docs/observability.md ("Cost accounting")."""
+recorded events and worker records. See ``phases`` (what a device-hour was spent on), ``accounting`` (the
+report) and docs/observability.md ("Cost accounting")."""
 
 from dsec.cost.accounting import (
+    CostReport,
+    PoolCost,
+    ProcessUsage,
+    account,
+    recovery_comparison,
+    snapshot_overhead,
+    throughput_effect,
+)
+from dsec.cost.phases import (
     PHASES,
     PROGRESS_METRICS,
     STATE_TYPES,
     WINDOW_TYPES,
-    CostReport,
     Hours,
     Interval,
-    PoolCost,
-    ProcessUsage,
     Segment,
     Window,
     WindowError,
     WorkerRecord,
-    account,
     diff_ci,
     mean_ci,
-    recovery_comparison,
-    snapshot_overhead,
-    throughput_effect,
     worker_segments,
 )
 
