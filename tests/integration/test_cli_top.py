@@ -156,8 +156,13 @@ def test_unknown_worker_is_an_error_without_traceback(cluster: Cluster) -> None:
 
 
 def test_live_without_a_terminal_refreshes_until_ctrl_c(cluster: Cluster) -> None:
+    import psutil
+
+    from conftest import wait_for
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
     env.update(DSEC_ENDPOINT=cluster.server.url, DSEC_READ_TOKEN=cluster.read_token, COLUMNS="100")
+    port = int(cluster.server.url.rsplit(":", 1)[1])
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsec.cli", "top", "--interval", "0.3"],
         env=env,
@@ -167,13 +172,24 @@ def test_live_without_a_terminal_refreshes_until_ctrl_c(cluster: Cluster) -> Non
         text=True,
     )
     try:
-        time.sleep(4.0)
+        # Running, not importing: it holds a connection to the control plane (a loaded machine imports slowly, and a
+        # Ctrl-C during start-up is another case).
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or any(c.raddr and c.raddr.port == port for c in psutil.Process(proc.pid).net_connections("tcp"))
+            ),
+            timeout=60,
+            what="dsec top connected",
+        )
         assert proc.poll() is None, proc.communicate()
+        time.sleep(1.0)  # a few refreshes at 0.3 s
         proc.send_signal(signal.SIGINT)
-        out, errs = proc.communicate(timeout=30)
+        out, errs = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()  # closes the pipes
     assert proc.returncode == 0, errs
     assert cluster.lost in out and "Traceback" not in errs
 

@@ -24,7 +24,8 @@ DSEC = Path(sys.executable).with_name("dsec")
 
 
 def _by_rank(server: Harness) -> dict[int, dict[str, Any]]:
-    return {w["rank"]: w for w in server.admin.workers(state="active")}
+    # Active or lost: a loaded machine may miss beats for a moment (lost, then active again on the next beat).
+    return {w["rank"]: w for w in server.admin.workers() if w["state"] != "deregistered"}
 
 
 def _settled(server: Harness, rank: int, name: str, beats: int = 3) -> float:

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsec.errors import InvalidInput
 from dsec.model import Event, EventType
 
 PHASES = ("useful", "degraded", "recovering", "idle")
@@ -50,7 +51,7 @@ METRIC_HISTORY_NOTE = (
 )
 
 
-class WindowError(ValueError):
+class WindowError(InvalidInput, ValueError):
     """A window that is not one: names the field at fault."""
 
     def __init__(self, field_name: str, message: str) -> None:
