@@ -165,8 +165,8 @@ class Reporter:
             self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Flush one last beat and deregister (bounded by ``close_timeout_s``); idempotent."""
+    def close(self, reason: str = "close") -> None:
+        """Flush one last beat and deregister with ``reason`` (bounded by ``close_timeout_s``); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -177,13 +177,25 @@ class Reporter:
         try:
             if self.worker_id is not None:
                 self._beat_once()
-                self._client.deregister(self.worker_id, reason="close", token=self._worker_token)
+                self._client.deregister(self.worker_id, reason=reason, token=self._worker_token)
         except ClientError as exc:
             log.debug("dsec: final flush failed: %s", exc)
         except Exception:  # never let the probe crash the training process on exit
             log.debug("dsec: final flush failed", exc_info=True)
         finally:
             self._client.close()
+
+    def deregister_now(self, reason: str) -> None:
+        """Deregister at once, without a final beat and on a connection of its own (another thread may be stuck in
+        the regular close); errors are swallowed. For a process about to die."""
+        worker_id, token = self.worker_id, self._worker_token
+        if worker_id is None:
+            return
+        try:
+            with Client(self.config.endpoint, timeout=self.config.request_timeout_s) as client:
+                client.deregister(worker_id, reason=reason, token=token)
+        except Exception:
+            log.debug("dsec: deregistration failed", exc_info=True)
 
     def __enter__(self) -> Reporter:
         return self.start()

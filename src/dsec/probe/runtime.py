@@ -213,8 +213,11 @@ class Probe:
     def rank(self) -> int:
         return self._rank if self._rank is not None else _env_rank()
 
-    def close(self) -> None:
-        if self.healing is not None:
+    def close(self, reason: str = "exit", dying: bool = False) -> None:
+        """Flush and deregister with ``reason``. A member terminated by SIGTERM does not leave its healing group as if
+        it had finished (it did not); ``dying`` (the signal's default action follows): gloo's threads need no
+        settling before an interpreter shutdown that will not happen."""
+        if self.healing is not None and reason != "sigterm":
             try:
                 self.healing.close()
             except Exception:
@@ -225,8 +228,8 @@ class Probe:
             except Exception:
                 log.exception("dsec: closing the snapshotter failed")
         if self._reporter is not None:
-            self._reporter.close()
-        if "distributed" in self.activities:
+            self._reporter.close(reason)
+        if "distributed" in self.activities and not dying:
             from dsec.probe.settle import let_threads_settle
 
             let_threads_settle()
