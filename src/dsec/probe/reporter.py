@@ -100,6 +100,8 @@ class Reporter:
         self._counters: dict[str, float] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=config.max_buffered_events)
         self._pending: dict[str, Any] | None = None  # a beat sent but not acknowledged: resent as-is
+        self.role = config.role  # registered with; changed by set_role (an inferred role)
+        self._role_update: dict[str, Any] | None = None  # sent with the next beat
         self.worker_id: str | None = None
         self._worker_token: str | None = None
         self._seq = 0
@@ -144,6 +146,12 @@ class Reporter:
             self._events.append({"type": type, "ts": time.time(), "data": data})
         if urgent:
             self._wake.set()
+
+    def set_role(self, role: str, evidence: Mapping[str, Any]) -> None:
+        """The worker's role changed (inferred): the next beat says so, and a re-registration uses it."""
+        with self._lock:
+            self.role = role
+            self._role_update = {"role": role, "evidence": dict(evidence)}
 
     def add_collector(self, collector: Collector) -> None:
         """``collector()`` is called once per beat (on the reporter thread); its metrics join the beat."""
@@ -234,7 +242,7 @@ class Reporter:
         c = self.config
         answer = self._client.register(
             c.pool,
-            role=c.role,
+            role=self.role,
             group=c.group,
             rank=c.rank,
             host=c.host,
@@ -273,8 +281,9 @@ class Reporter:
             self._observed.clear()
             events = list(self._events)
             self._events.clear()
+            role, self._role_update = self._role_update, None
         self._seq += 1
-        return {"seq": self._seq, "metrics": metrics, "events": events}
+        return {"seq": self._seq, "metrics": metrics, "events": events, "inferred_role": role}
 
     def _beat_once(self) -> None:
         if self.worker_id is None:
@@ -290,6 +299,7 @@ class Reporter:
                 metrics=p["metrics"],
                 events=p["events"],
                 token=self._worker_token,
+                inferred_role=p["inferred_role"],
             )
         except ApiError as exc:
             if exc.status in (401, 403, 404, 409):
