@@ -263,7 +263,13 @@ def run(
     sandbox_id: Annotated[str | None, typer.Option(help="Pool (sandbox) id; default $DSEC_SANDBOX_ID.")] = None,
     endpoint: Annotated[str | None, typer.Option(help="Control plane; default $DSEC_ENDPOINT.")] = None,
     token: Annotated[str | None, typer.Option(help="Pool token; default $DSEC_TOKEN.")] = None,
-    role: Annotated[str | None, typer.Option(help="actor | learner | other")] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(
+            help="auto | actor | learner | other; default $DSEC_ROLE, else auto: inferred from what each process does "
+            "(optimizer steps: learner; env steps without them: actor). An explicit role is kept."
+        ),
+    ] = None,
     chaos: Annotated[
         str | None,
         typer.Option(help='Fault injection, e.g. "sync_delay_ms=200,rank=1,after_s=20,for_s=30"; default $DSEC_CHAOS.'),
@@ -318,6 +324,8 @@ def run(
         parse_chaos(env.get("DSEC_CHAOS") or "")
     except ChaosError as exc:
         raise fail(exc, 2) from None
+    if role is not None and role not in ("auto", "actor", "learner", "other"):
+        raise fail(ValueError(f"--role {role!r} is invalid: expected auto, actor, learner or other"), 2)
     if restore is not None and restore != "latest" and not restore.isdigit():
         raise fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
     if env.get("DSEC_RESTORE") and not env.get("DSEC_SNAPSHOT_DIR"):

@@ -141,13 +141,16 @@ class Client:
         metrics: Mapping[str, float] | None = None,
         events: Sequence[Mapping[str, Any]] = (),
         token: str | None = None,
+        inferred_role: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "seq": seq,
             "acked_directive_version": acked_directive_version,
             "metrics": dict(metrics or {}),
             "events": list(events),
         }
+        if inferred_role is not None:
+            body["inferred_role"] = dict(inferred_role)
         return dict(self.request("POST", f"/v1/workers/{worker_id}/heartbeat", json=body, token=token))
 
     def deregister(self, worker_id: str, reason: str = "exit", token: str | None = None) -> dict[str, Any]:

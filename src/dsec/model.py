@@ -57,6 +57,8 @@ class EventType(str, enum.Enum):
     DEREGISTERED = "deregistered"
     LOST = "lost"
     REJOINED = "rejoined"
+    # The probe inferred the worker's role from what it does (``from``, ``to``, ``evidence``); the record now says it.
+    ROLE_INFERRED = "role_inferred"
     DIRECTIVE_SET = "directive_set"
     DIRECTIVE_ACKED = "directive_acked"
     # A worker cannot carry out a directive field (``field``, ``reason``, ``version``, ``requested``): never acked.

@@ -147,3 +147,15 @@ def test_torchrun_workers_register_and_the_agent_does_not(server: Harness) -> No
     assert sorted(w["rank"] for w in workers) == [0, 1], "two ranks, no launcher process"
     for w in workers:
         assert w["role"] == "learner" and w["metrics"]["sync_ops_total"] > 0 and w["metrics"]["episodes_total"] > 0
+
+
+def test_an_unknown_role_is_refused_before_anything_starts() -> None:
+    proc = subprocess.run(
+        [str(DSEC), "run", "--role", "critic", "--", sys.executable, "-c", "print('ran')"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2 and "--role 'critic' is invalid" in proc.stderr and "ran" not in proc.stdout

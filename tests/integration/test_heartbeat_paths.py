@@ -47,5 +47,51 @@ def test_openapi_documents_the_heartbeat_body(server: Harness) -> None:
     ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert ref == "#/components/schemas/HeartbeatRequest"
     schema = spec["components"]["schemas"]["HeartbeatRequest"]
-    assert set(schema["properties"]) == {"seq", "acked_directive_version", "metrics", "events"}
+    assert set(schema["properties"]) == {"seq", "acked_directive_version", "metrics", "events", "inferred_role"}
     assert "EventIn" in spec["components"]["schemas"]
+    assert spec["components"]["schemas"]["InferredRole"]["required"] == ["role"]
+
+
+@pytest.mark.parametrize("shortcut", [True, False])
+def test_an_inferred_role_updates_the_record_once_with_an_event(
+    server_factory: Callable[..., Harness], tmp_path: Path, shortcut: bool
+) -> None:
+    h = server_factory(settings=make_settings(tmp_path / "h", heartbeat_shortcut=shortcut), pools=True)
+    w = h.register("pool-a")
+    assert h.admin.worker(w.id)["role"] == "other"
+    url = f"/v1/workers/{w.id}/heartbeat"
+    auth = {"Authorization": f"Bearer {w.token}"}
+    inferred = {"role": "actor", "evidence": {"env_steps": 1000, "optimizer_steps": 0}}
+    with h.http() as http:
+        ok = http.post(url, json={"seq": 1, "inferred_role": inferred}, headers=auth)
+        assert ok.status_code == 200
+        assert http.post(url, json={"seq": 1, "inferred_role": inferred}, headers=auth).json()["duplicate"] is True
+        # The same role again changes nothing; an unknown role or field is refused, naming it.
+        assert http.post(url, json={"seq": 2, "inferred_role": inferred}, headers=auth).status_code == 200
+        bad = http.post(url, json={"seq": 3, "inferred_role": {"role": "critic"}}, headers=auth)
+        assert bad.status_code == 422 and bad.json()["field"] == "inferred_role.role"
+        extra = http.post(url, json={"seq": 3, "inferred_role": {"role": "actor", "why": 1}}, headers=auth)
+        assert extra.status_code == 422 and extra.json()["field"] == "inferred_role.why"
+        later = {"role": "learner", "evidence": {"optimizer_steps": 1, "gradient_syncs": 2}}
+        assert http.post(url, json={"seq": 3, "inferred_role": later}, headers=auth).status_code == 200
+    assert h.admin.worker(w.id)["role"] == "learner"
+    evs = h.admin.all_events(worker_id=w.id, types=["role_inferred"])
+    assert [(e["data"]["from"], e["data"]["to"]) for e in evs] == [("other", "actor"), ("actor", "learner")]
+    assert evs[0]["data"]["evidence"] == {"env_steps": 1000, "optimizer_steps": 0}
+    assert evs[0]["data"]["source"] == "worker"
+    # Durable: a restarted control plane knows the inferred role.
+    settings = h.settings
+    h.close()
+    again = server_factory(settings=settings)
+    assert again.admin.worker(w.id)["role"] == "learner"
+
+
+def test_workers_may_not_send_role_inferred_as_an_event(server: Harness) -> None:
+    w = server.register("pool-a")
+    with server.http() as http:
+        r = http.post(
+            f"/v1/workers/{w.id}/heartbeat",
+            json={"seq": 1, "events": [{"type": "role_inferred", "data": {}}]},
+            headers={"Authorization": f"Bearer {w.token}"},
+        )
+    assert r.status_code == 422 and r.json()["field"] == "events[0].type"

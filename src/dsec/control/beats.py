@@ -140,8 +140,16 @@ class Beats:
         was_lost = w.state is WorkerState.LOST
         newly_acked = req.acked_directive_version > w.acked_version
         events = self._beat_events(w, req, now, was_lost, newly_acked)
+        info_before = w.info
+        role_event = self._role_change(w, req, now)  # judged in its new role; undone if the commit fails
         acked = max(w.acked_version, req.acked_directive_version)
-        verdict, saved = self.judge.on_beat(w, req.metrics, events[: len(req.events)], acked, now)
+        try:
+            verdict, saved = self.judge.on_beat(w, req.metrics, events[: len(req.events)], acked, now)
+        except BaseException:
+            w.info = info_before
+            raise
+        if role_event is not None:
+            events.append(role_event)
         directive = directive_from(w, verdict, now)
         if directive is not None:
             events.append(directive_event(w, directive, verdict.patch, "+".join(verdict.actors), now))
@@ -157,6 +165,7 @@ class Beats:
                 )
             except BaseException:
                 self.judge.restore(w, saved)
+                w.info = info_before
                 raise
             self.log.observe(events)
             if directive is not None:
@@ -177,6 +186,17 @@ class Beats:
         if not events:
             self.state.mark_dirty(w.id)
         return self._beat_answer(w, req, now, duplicate=False)
+
+    @staticmethod
+    def _role_change(w: LiveWorker, req: HeartbeatRequest, now: float) -> Event | None:
+        """The role the probe inferred, when it differs from the record: the record takes it (``w.info``), and the
+        event that says so (attributed to the worker: the evidence is its own count)."""
+        inferred = req.inferred_role
+        if inferred is None or inferred.role is w.info.role:
+            return None
+        data = {"from": w.info.role.value, "to": inferred.role.value, "evidence": inferred.evidence, "source": "worker"}
+        w.info = replace(w.info, role=inferred.role)
+        return Event(ts=now, type=EventType.ROLE_INFERRED, worker_id=w.id, pool=w.pool, data=data)
 
     @staticmethod
     def _is_retry(w: LiveWorker, req: HeartbeatRequest) -> bool:

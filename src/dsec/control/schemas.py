@@ -203,6 +203,20 @@ class EventIn(Strict):
         return _event_data(v)
 
 
+class InferredRole(Strict):
+    """The role the probe inferred from what the process does (it registered without an explicit role)."""
+
+    role: Role
+    evidence: dict[str, Any] = Field(
+        default_factory=dict, description=f"what the role was inferred from (counts); {EVENT_DATA_RULES}"
+    )
+
+    @field_validator("evidence")
+    @classmethod
+    def _evidence_ok(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _event_data(v)
+
+
 class HeartbeatRequest(Strict):
     seq: Int = Field(..., ge=1, le=2**62, description="strictly increasing per worker; a retry repeats it")
     acked_directive_version: Int = Field(0, ge=0, le=2**31)
@@ -210,6 +224,11 @@ class HeartbeatRequest(Strict):
         default_factory=dict, max_length=MAX_METRICS
     )
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BEAT)
+    inferred_role: InferredRole | None = Field(
+        None,
+        description="sent once when the probe has inferred the worker's role; when it differs from the recorded role "
+        "the record takes it and a role_inferred event (from, to, evidence) is committed with the beat",
+    )
 
     @field_validator("metrics")
     @classmethod

@@ -41,7 +41,8 @@ def run_group(command: Sequence[str], env: Mapping[str, str], nproc: int, heal: 
             "groups": [
                 {
                     "name": env.get("DSEC_GROUP") or "default",
-                    "role": env.get("DSEC_ROLE") or "learner",
+                    # The ranks of a supervised group train together: learners, unless a role is given.
+                    "role": env.get("DSEC_ROLE") if env.get("DSEC_ROLE") not in (None, "", "auto") else "learner",
                     "world_size": nproc,
                     "heal": heal,
                     "command": list(command),

@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import Any
 
+from dsec.probe import lifecycle
 from dsec.probe.config import ProbeConfig
 from dsec.probe.runtime import Probe
 
@@ -19,6 +20,9 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _probe: Probe | None = None
+_ending: Probe | None = None  # the probe being closed (for the SIGTERM fallback)
+_reason: str | None = None  # why the process ends, when known before atexit (a SIGTERM its own handler took)
+_sigterm: lifecycle.SigtermChain | None = None
 
 
 def bootstrap(**overrides: Any) -> Probe | None:
@@ -38,20 +42,55 @@ def bootstrap(**overrides: Any) -> Probe | None:
             probe.install()
         except Exception:
             log.warning("dsec: instrumentation failed; reporting only", exc_info=True)
-        atexit.register(shutdown)
+        atexit.register(_at_exit)
+        _install_sigterm()
         _probe = probe
         return probe
+
+
+def _install_sigterm() -> None:
+    global _sigterm
+    if _sigterm is not None:
+        return
+    chain = lifecycle.SigtermChain(lambda reason: shutdown(reason, dying=True), _deregister_now, _note_reason)
+    try:
+        chain.install()
+    except (ValueError, OSError):  # not the main interpreter, or no signals here
+        log.debug("dsec: no SIGTERM handler installed", exc_info=True)
+    _sigterm = chain
+
+
+def _note_reason(reason: str) -> None:
+    global _reason
+    _reason = reason
+
+
+def _at_exit() -> None:
+    shutdown(_reason or lifecycle.exit_reason())
+
+
+def _deregister_now(reason: str) -> None:
+    probe = _ending or _probe
+    rep = probe.reporter if probe is not None else None
+    if rep is not None:
+        rep.deregister_now(reason)
 
 
 def current() -> Probe | None:
     return _probe
 
 
-def shutdown() -> None:
-    """Flush, deregister and stop the probe; restore patched functions."""
-    global _probe
+def shutdown(reason: str = lifecycle.DETACH, dying: bool = False) -> None:
+    """Flush, deregister (``reason``: exit, error, sigterm, detach) and stop the probe; restore patched functions —
+    unless ``dying`` (a SIGTERM with the default action follows: the main thread may be inside a patched function)."""
+    global _probe, _ending, _sigterm
     with _lock:
         probe, _probe = _probe, None
+        _ending = probe
     if probe is not None:
-        probe.close()
-        probe.uninstall()
+        probe.close(reason, dying=dying)
+        if not dying:
+            probe.uninstall()
+    if not dying and _sigterm is not None:
+        _sigterm.uninstall()
+        _sigterm = None

@@ -8,7 +8,8 @@ variable                   meaning                                              
 DSEC_ENDPOINT              control-plane URL (the probe is off without it)       -
 DSEC_SANDBOX_ID            pool the worker belongs to                            -
 DSEC_TOKEN                 pool token used to register                           -
-DSEC_ROLE                  actor | learner | other                               other
+DSEC_ROLE                  auto | actor | learner | other (auto: inferred)       auto
+DSEC_ROLE_ACTOR_STEPS      auto: env steps without an optimizer step -> actor   1000
 DSEC_GROUP                 worker group name                                     default
 DSEC_HEARTBEAT_INTERVAL    seconds between beats                                 5
 DSEC_COMPRESSION_BITS      gradient compression when no directive asks (32/16/8/4) 32
@@ -42,6 +43,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.probe.reporter import ReporterConfig
+from dsec.probe.roles import AUTO, DEFAULT_ACTOR_ENV_STEPS, ROLES
 from dsec.yamlconf import ConfigError, load_marked, validate
 
 PLUGIN_NAME = "dsec_monitor"
@@ -57,6 +59,9 @@ class ProbeConfig:
     interrupt_info_keys: tuple[str, ...] = ("collision", "crash", "interrupted")
     stuck_episode_threshold: int = 3
     drift_check_steps: int = 100
+    # --role auto: the worker registers as ``other`` and the probe infers its role (dsec.probe.roles).
+    infer_role: bool = False
+    role_actor_env_steps: int = DEFAULT_ACTOR_ENV_STEPS
     instrument_torch: bool = True
     instrument_gym: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -70,6 +75,8 @@ class ProbeConfig:
             raise ValueError(f"stuck_episode_threshold={self.stuck_episode_threshold} is invalid: expected >= 1")
         if self.drift_check_steps < 0:
             raise ValueError(f"drift_check_steps={self.drift_check_steps} is invalid: expected >= 0 (0: off)")
+        if self.role_actor_env_steps < 1:
+            raise ValueError(f"role_actor_env_steps={self.role_actor_env_steps} is invalid: expected >= 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeConfig | None:
@@ -82,11 +89,14 @@ class ProbeConfig:
         rank_raw = env.get("RANK")
         rank = int(rank_raw) if rank_raw and rank_raw.isdigit() else None
         rank = overrides.pop("rank", rank)
+        role = overrides.pop("role", None) or env.get("DSEC_ROLE") or AUTO
+        if role not in (AUTO, *ROLES):
+            raise ValueError(f"role={role!r} is invalid: expected one of {[AUTO, *ROLES]}")
         reporter = ReporterConfig(
             endpoint=endpoint,
             pool=pool,
             token=overrides.pop("token", None) or env.get("DSEC_TOKEN"),
-            role=overrides.pop("role", None) or env.get("DSEC_ROLE", "other"),
+            role="other" if role == AUTO else role,
             group=overrides.pop("group", None) or env.get("DSEC_GROUP", "default"),
             rank=rank or 0,
             heartbeat_interval_s=float(
@@ -106,6 +116,8 @@ class ProbeConfig:
             else ("collision", "crash", "interrupted"),
             stuck_episode_threshold=int(env.get("DSEC_STUCK_EPISODES", "3")),
             drift_check_steps=int(overrides.pop("drift_check_steps", env.get("DSEC_DRIFT_CHECK_STEPS", "100"))),
+            infer_role=role == AUTO,
+            role_actor_env_steps=int(env.get("DSEC_ROLE_ACTOR_STEPS", str(DEFAULT_ACTOR_ENV_STEPS))),
             **overrides,
         )
 
@@ -118,7 +130,7 @@ class PluginSettings(BaseModel):
     heartbeat_interval: float = Field(5.0, ge=0.05, le=3600)
     sandbox_id: str | None = None
     token: str | None = None
-    role: str | None = Field(None, pattern=r"^(actor|learner|other)$")
+    role: str | None = Field(None, pattern=r"^(auto|actor|learner|other)$")
     compression_bits: int | None = Field(None, description="32, 16, 8 or 4")
     interrupt_keys: list[str] | None = None
 

@@ -100,6 +100,8 @@ class Reporter:
         self._counters: dict[str, float] = {}
         self._events: deque[dict[str, Any]] = deque(maxlen=config.max_buffered_events)
         self._pending: dict[str, Any] | None = None  # a beat sent but not acknowledged: resent as-is
+        self.role = config.role  # registered with; changed by set_role (an inferred role)
+        self._role_update: dict[str, Any] | None = None  # sent with the next beat
         self.worker_id: str | None = None
         self._worker_token: str | None = None
         self._seq = 0
@@ -145,6 +147,12 @@ class Reporter:
         if urgent:
             self._wake.set()
 
+    def set_role(self, role: str, evidence: Mapping[str, Any]) -> None:
+        """The worker's role changed (inferred): the next beat says so, and a re-registration uses it."""
+        with self._lock:
+            self.role = role
+            self._role_update = {"role": role, "evidence": dict(evidence)}
+
     def add_collector(self, collector: Collector) -> None:
         """``collector()`` is called once per beat (on the reporter thread); its metrics join the beat."""
         self._collectors.append(collector)
@@ -165,8 +173,8 @@ class Reporter:
             self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Flush one last beat and deregister (bounded by ``close_timeout_s``); idempotent."""
+    def close(self, reason: str = "close") -> None:
+        """Flush one last beat and deregister with ``reason`` (bounded by ``close_timeout_s``); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -177,13 +185,25 @@ class Reporter:
         try:
             if self.worker_id is not None:
                 self._beat_once()
-                self._client.deregister(self.worker_id, reason="close", token=self._worker_token)
+                self._client.deregister(self.worker_id, reason=reason, token=self._worker_token)
         except ClientError as exc:
             log.debug("dsec: final flush failed: %s", exc)
         except Exception:  # never let the probe crash the training process on exit
             log.debug("dsec: final flush failed", exc_info=True)
         finally:
             self._client.close()
+
+    def deregister_now(self, reason: str) -> None:
+        """Deregister at once, without a final beat and on a connection of its own (another thread may be stuck in
+        the regular close); errors are swallowed. For a process about to die."""
+        worker_id, token = self.worker_id, self._worker_token
+        if worker_id is None:
+            return
+        try:
+            with Client(self.config.endpoint, timeout=self.config.request_timeout_s) as client:
+                client.deregister(worker_id, reason=reason, token=token)
+        except Exception:
+            log.debug("dsec: deregistration failed", exc_info=True)
 
     def __enter__(self) -> Reporter:
         return self.start()
@@ -222,7 +242,7 @@ class Reporter:
         c = self.config
         answer = self._client.register(
             c.pool,
-            role=c.role,
+            role=self.role,
             group=c.group,
             rank=c.rank,
             host=c.host,
@@ -261,8 +281,9 @@ class Reporter:
             self._observed.clear()
             events = list(self._events)
             self._events.clear()
+            role, self._role_update = self._role_update, None
         self._seq += 1
-        return {"seq": self._seq, "metrics": metrics, "events": events}
+        return {"seq": self._seq, "metrics": metrics, "events": events, "inferred_role": role}
 
     def _beat_once(self) -> None:
         if self.worker_id is None:
@@ -278,6 +299,7 @@ class Reporter:
                 metrics=p["metrics"],
                 events=p["events"],
                 token=self._worker_token,
+                inferred_role=p["inferred_role"],
             )
         except ApiError as exc:
             if exc.status in (401, 403, 404, 409):

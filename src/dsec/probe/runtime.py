@@ -26,6 +26,7 @@ from dsec.probe.healing import Healing
 from dsec.probe.memory import MemoryTrend, memory_metrics
 from dsec.probe.replicas import ReplicaGuard
 from dsec.probe.reporter import Reporter
+from dsec.probe.roles import AUTO, RoleInference
 from dsec.probe.snapshots import ProbeSnapshots
 from dsec.probe.telemetry import Telemetry
 
@@ -54,6 +55,9 @@ class Probe:
         self.replicas = ReplicaGuard(self, check_every=config.drift_check_steps)
         self.snapshots: ProbeSnapshots | None = ProbeSnapshots.from_env(self)
         self.healing: Healing | None = Healing.from_env(self)
+        self.roles: RoleInference | None = (
+            RoleInference(config.role_actor_env_steps, config.reporter.role) if config.infer_role else None
+        )
         try:
             self.chaos = Chaos.from_env(os.environ.get("DSEC_CHAOS"), rank=lambda: self._rank)
         except ChaosError as exc:
@@ -116,7 +120,16 @@ class Probe:
                 return
             if rank is not None:
                 self._rank = int(rank)
-            self.config = replace(self.config, reporter=replace(self.config.reporter, **changes))
+            role = changes.get("role")
+            if role == AUTO:
+                changes["role"] = "other"
+                if self.roles is None:
+                    self.roles = RoleInference(self.config.role_actor_env_steps)
+            elif role is not None:
+                self.roles = None  # an explicit role is kept
+            self.config = replace(
+                self.config, reporter=replace(self.config.reporter, **changes), infer_role=self.roles is not None
+            )
 
     def start(self) -> Reporter:
         with self._lock:
@@ -150,6 +163,8 @@ class Probe:
         rep = self._reporter
         if rep is not None and rep.latency_cap_ms is not None:
             self.telemetry.latency_cap_s = rep.latency_cap_ms / 1000.0
+        if self.roles is not None and rep is not None:
+            self._infer_role(rep)
         out = self.telemetry.collect()
         out.update(self.actuators.state())
         out.update(self.replicas.metrics())
@@ -160,6 +175,26 @@ class Probe:
         if growth is not None:
             out[telemetry.MEMORY_GROWTH_GB_PER_H.name] = growth
         return out
+
+    def _infer_role(self, rep: Reporter) -> None:
+        """Once per beat, before the beat is taken: the counters so far may make the role clear (dsec.probe.roles);
+        the beat then carries it (``inferred_role``) and the control plane records the change."""
+        assert self.roles is not None
+        t = self.telemetry
+        inferred = self.roles.observe(
+            env_steps=t.env_steps_total,
+            updates=t.updates_total,
+            gradient_syncs=t.sync_ops_total,
+            has_optimizer="optimizer" in self.activities,
+        )
+        if inferred is not None:
+            log.info("dsec: role inferred: %s (%s)", inferred.role, inferred.evidence.get("rule"))
+            rep.set_role(inferred.role, inferred.evidence)
+
+    @property
+    def role(self) -> str:
+        """The worker's role now: the configured one, or the one inferred so far (``other`` until then)."""
+        return self.roles.role if self.roles is not None else self.config.reporter.role
 
     # -- events -------------------------------------------------------------------------------------------
     def event(self, kind: str, /, urgent: bool = False, **data: Any) -> None:
@@ -193,7 +228,7 @@ class Probe:
 
     # -- actuator helpers for user code -------------------------------------------------------------------
     def wait_for_sampling(self) -> None:
-        if self.config.reporter.role == "actor" and not self.actuators.sampling_allowed():
+        if self.role == "actor" and not self.actuators.sampling_allowed():
             while not self.actuators.wait_for_sampling(timeout=1.0):
                 pass
 
@@ -213,8 +248,11 @@ class Probe:
     def rank(self) -> int:
         return self._rank if self._rank is not None else _env_rank()
 
-    def close(self) -> None:
-        if self.healing is not None:
+    def close(self, reason: str = "exit", dying: bool = False) -> None:
+        """Flush and deregister with ``reason``. A member terminated by SIGTERM does not leave its healing group as if
+        it had finished (it did not); ``dying`` (the signal's default action follows): gloo's threads need no
+        settling before an interpreter shutdown that will not happen."""
+        if self.healing is not None and reason != "sigterm":
             try:
                 self.healing.close()
             except Exception:
@@ -225,8 +263,8 @@ class Probe:
             except Exception:
                 log.exception("dsec: closing the snapshotter failed")
         if self._reporter is not None:
-            self._reporter.close()
-        if "distributed" in self.activities:
+            self._reporter.close(reason)
+        if "distributed" in self.activities and not dying:
             from dsec.probe.settle import let_threads_settle
 
             let_threads_settle()
