@@ -178,3 +178,45 @@ def test_the_agent_holds_only_each_workers_newest_beat_within_its_bound(
                                                        "directive": None}  # fmt: skip
         # not a heartbeat: proxied (here to the fake control plane, which only knows batches)
         assert http.get("/agent/status").json()["batches_sent"] >= 2
+
+
+def test_dsec_agent_runs_from_the_command_line(server: Harness, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from dsec.cli import app
+    from dsec.control.server import free_port
+
+    bad = CliRunner().invoke(app, ["agent", "--max-batch", "5000"])
+    assert bad.exit_code == 2 and "max_batch=5000" in bad.output
+    port = free_port()
+    sock = str(tmp_path / "agent.sock")
+    cmd = [sys.executable, "-m", "dsec.cli", "agent", "--upstream", server.url, "--port", str(port), "--uds", sock,
+           "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        w = server.register("pool-a")
+
+        def beat(http: httpx.Client, seq: int) -> int:
+            resp = http.post(f"/v1/workers/{w.id}/heartbeat", json={"seq": seq},
+                             headers={"Authorization": f"Bearer {w.token}"})  # fmt: skip
+            return resp.status_code
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            wait_for(lambda: _answers(http), what="dsec agent listening")
+            assert beat(http, 1) == 200
+        with httpx.Client(base_url="http://agent", transport=httpx.HTTPTransport(uds=sock), timeout=5) as http:
+            assert beat(http, 2) == 200  # the unix socket speaks the same protocol
+        assert server.admin.worker(w.id)["last_seq"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _answers(http: httpx.Client) -> bool:
+    try:
+        return http.get("/agent/status").status_code == 200
+    except httpx.TransportError:
+        return False
