@@ -59,7 +59,7 @@ _ANSWER_HEADERS = ("content-type", "retry-after", "allow")
 class AgentConfig:
     upstream: str  # the control plane's URL
     host: str = "127.0.0.1"
-    port: int = 8081  # 0: any free port (tests); None-like use of uds only: see ``listen_tcp``
+    port: int = 8081  # 0: a free port the OS picks (tests)
     uds: str | None = None  # also listen on this unix socket
     listen_tcp: bool = True
     flush_ms: float = 50.0  # a beat waits at most this long for its batch

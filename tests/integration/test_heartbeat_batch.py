@@ -77,6 +77,7 @@ def test_one_bad_item_never_fails_the_others(server: Harness) -> None:
         {**item(ws[2], 2), "extra": 1},  # an unknown field
         {**item(ws[2], 2), "worker_id": "w/../x"},  # not a worker id
         item(ws[1], 1, events=[{"type": "lost"}]),  # a control-plane event type
+        {**item(ws[1], 1), "token": "dsw_" + "x" * 300},  # longer than any token
     ]
     resp = post(server, items, ws[0].token)
     assert resp.status_code == 200
@@ -92,6 +93,7 @@ def test_one_bad_item_never_fails_the_others(server: Harness) -> None:
         (422, 6, "extra"),
         (422, 7, "worker_id"),
         (422, 8, "events[0].type"),
+        (422, 9, "token"),
     ]
     assert all(r["message"] for r in results if r["status"] != 200)
     assert [server.admin.worker(w.id)["last_seq"] for w in ws] == [1, 0, 1]

@@ -154,6 +154,8 @@ async def _one_item(cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, item: A
     if not isinstance(token, str) or not token:
         # What a single beat without a token answers: 401, naming where the token goes.
         return 401, {**_batch_invalid("token: required, the worker's own token", "token"), "error": "unauthorized"}
+    if len(token) > 256:  # HeartbeatItem's bound: no token is that long
+        return 422, _batch_invalid("token: at most 256 characters", "token")
     if not isinstance(worker_id, str) or not worker_id:
         return 422, _batch_invalid("worker_id: required, a non-empty string", "worker_id")
     if not match(f"{PREFIX}{worker_id}{SUFFIX}"):
