@@ -18,6 +18,15 @@ The default client is a hand-written HTTP/1.1 client (an asyncio ``Protocol`` on
 assembled from pre-built bytes), so it takes as little CPU as possible away from the server on a
 small machine; ``--client httpx`` uses ``httpx.AsyncClient`` for comparison.
 
+With ``--batch N`` the same workers also beat in batches — what ``dsec agent`` sends: each request is a
+``POST /v1/heartbeats`` carrying N workers' beats (each with its own worker token), closed loop over the
+connections — after a single-beat phase of the same length on the same server, so one run reports both:
+``worker_beats_per_s`` and ``p99_ms`` (of the batch requests: what each worker's beat waited) for the batched
+phase, ``single_heartbeats_per_s`` and ``single_p99_ms`` for the single-beat one. Workers register with as
+many pool tokens as their quota and burst need (2000 each).
+
+    .venv/bin/python benchmarks/ingest.py --workers 10000 --batch 500 --duration 10
+
     .venv/bin/python benchmarks/ingest.py                      # 1000 workers, 64 conns, 20 s
     .venv/bin/python benchmarks/ingest.py --rate 2000          # paced
     .venv/bin/python benchmarks/ingest.py --py-spy /tmp/p.txt  # profile the server meanwhile
@@ -85,6 +94,7 @@ class Worker:
     seq: int = 0
     raw_head: bytes = b""  # request line + headers up to "content-length: "
     path: str = ""
+    item_head: bytes = b""  # the start of its item in a batch: worker id and token
 
 
 @dataclass
@@ -99,6 +109,7 @@ class Stats:
     ev_lat: list[float] = field(default_factory=list)  # send -> answer of beats carrying an event
     events_sent: int = 0
     directives_seen: int = 0
+    requests: int = 0  # measured requests (batches in batched mode)
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -194,12 +205,15 @@ class HttpxConn:
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
+REGISTRATIONS_PER_TOKEN = 2000  # a pool token's rate-limit burst (and within its quota of 4096 workers)
+
+
 @dataclass
 class Run:
     args: argparse.Namespace
     host: str
     port: int
-    pool_token: str
+    pool_tokens: list[str]
     stats: Stats = field(default_factory=Stats)
     go: asyncio.Event = field(default_factory=asyncio.Event)
     t0: float = 0.0  # load starts (after registration)
@@ -208,6 +222,7 @@ class Run:
     stop: bool = False
     blobs: list[bytes] = field(default_factory=list)
     httpx_client: Any = None
+    server_pid: int = 0
 
     def head_for(self, path: str, token: str) -> bytes:
         return (
@@ -232,7 +247,8 @@ class Run:
             }
         )
         path = "/v1/workers/register"
-        status, answer = await conn.post(path, self.pool_token, self.head_for(path, self.pool_token), body)
+        token = self.pool_tokens[w.rank // REGISTRATIONS_PER_TOKEN % len(self.pool_tokens)]
+        status, answer = await conn.post(path, token, self.head_for(path, token), body)
         if status != 201:
             raise RuntimeError(f"register rank {w.rank}: HTTP {status} {answer[:300]!r}")
         reg = orjson.loads(answer)
@@ -240,19 +256,85 @@ class Run:
         w.acked = int(reg["directive"]["version"])  # we apply it at once: ack it on the first beat
         w.path = f"/v1/workers/{w.id}/heartbeat"
         w.raw_head = self.head_for(w.path, w.token)
+        w.item_head = b'{"worker_id":"%s","token":"%s",' % (w.id.encode(), w.token.encode())
 
-    async def connection(self, cid: int, workers: list[Worker], registered: asyncio.Future[None]) -> None:
-        args, st = self.args, self.stats
+    async def register_all(self, workers: list[Worker]) -> None:
         conn = await self.connect()
         try:
             for w in workers:
                 await self.register(conn, w)
-        except BaseException as exc:
-            if not registered.done():
-                registered.set_exception(exc)
+        finally:
             conn.close()
-            return
-        registered.set_result(None)
+
+    async def batch_connection(self, cid: int, workers: list[Worker]) -> None:
+        """Closed loop of ``POST /v1/heartbeats``, ``--batch`` of this connection's workers per request."""
+        args, st = self.args, self.stats
+        conn = await self.connect()
+        await self.go.wait()
+        rnd = random.Random(cid)
+        blobs, nblobs = self.blobs, len(self.blobs)
+        perf = time.perf_counter
+        groups = [workers[i : i + args.batch] for i in range(0, len(workers), args.batch)]
+        path = "/v1/heartbeats"
+        heads = [self.head_for(path, g[0].token) for g in groups]
+        k = 0
+        try:
+            while not self.stop:
+                g = k % len(groups)
+                group, head = groups[g], heads[g]
+                k += 1
+                parts = []
+                events = 0
+                for w in group:
+                    w.seq += 1
+                    ev = NO_EVENTS
+                    if rnd.random() < args.event_ratio:
+                        ev, events = LOG_EVENT, events + 1
+                    parts.append(
+                        b'%s"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}'
+                        % (w.item_head, w.seq, w.acked, blobs[(w.rank + w.seq) % nblobs], ev)
+                    )
+                body = b'{"items":[%s]}' % b",".join(parts)
+                t_send = perf()
+                try:
+                    status, answer = await conn.post(path, group[0].token, head, body)
+                except ConnectionError as exc:
+                    st.transport_errors += 1
+                    st.error(f"transport: {exc}")
+                    if self.stop:
+                        break
+                    conn.close()
+                    conn = await self.connect()
+                    continue
+                t_done = perf()
+                measured = self.m0 <= t_done <= self.m1
+                if status != 200:
+                    st.statuses[status] += 1
+                    st.error(f"HTTP {status}: {answer[:200]!r}")
+                    continue
+                applied = 0
+                for w, r in zip(group, orjson.loads(answer)["items"], strict=True):
+                    if r.get("status") != 200 or r.get("duplicate"):
+                        st.error(f"item {w.id}: {str(r)[:200]}")
+                        continue
+                    applied += 1
+                    if r.get("directive"):
+                        st.directives_seen += 1
+                        w.acked = int(r["directive"]["version"])
+                if measured:
+                    st.statuses[status] += 1
+                    st.ok += applied
+                    st.requests += 1
+                    st.lat.append(t_done - t_send)
+                    st.events_sent += events
+                    if events:
+                        st.ev_lat.append(t_done - t_send)
+        finally:
+            conn.close()
+
+    async def connection(self, cid: int, workers: list[Worker]) -> None:
+        args, st = self.args, self.stats
+        conn = await self.connect()
         await self.go.wait()
         rnd = random.Random(cid)
         blobs, nblobs = self.blobs, len(self.blobs)
@@ -336,8 +418,8 @@ def machine_busy_s() -> float:
         return float("nan")
 
 
-async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str) -> dict[str, Any]:
-    run = Run(args, server.host, server.port, pool_token, blobs=metric_blobs(METRIC_VARIANTS))
+async def bench(args: argparse.Namespace, server: ServerProcess, pool_tokens: list[str]) -> dict[str, Any]:
+    run = Run(args, server.host, server.port, pool_tokens, blobs=metric_blobs(METRIC_VARIANTS), server_pid=server.pid)
     if args.client == "httpx":
         import httpx
 
@@ -347,27 +429,61 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str
             limits=httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections),
         )
     workers = [Worker(rank=i) for i in range(args.workers)]
-    per_conn = [workers[c :: args.connections] for c in range(args.connections)]
-    loop = asyncio.get_running_loop()
-    registered = [loop.create_future() for _ in per_conn]
-    spy: PySpy | None = None
-    t_reg = time.perf_counter()
-    tasks = [asyncio.create_task(run.connection(c, ws, registered[c])) for c, ws in enumerate(per_conn) if ws]
     try:
-        await asyncio.wait_for(asyncio.gather(*registered[: len(tasks)]), timeout=args.setup_timeout)
+        t_reg = time.perf_counter()
+        per_conn = [workers[c :: args.connections] for c in range(args.connections)]
+        await asyncio.wait_for(
+            asyncio.gather(*(run.register_all(ws) for ws in per_conn if ws)), timeout=args.setup_timeout
+        )
         reg_s = time.perf_counter() - t_reg
         print(f"registered {args.workers} workers in {reg_s:.2f} s", file=sys.stderr)
+        single = await phase(run, workers, batched=False)
+        single["register_s"] = round(reg_s, 3)
+        if not args.batch:
+            return single
+        batched = await phase(run, workers, batched=True)
+    finally:
+        if run.httpx_client is not None:
+            await run.httpx_client.aclose()
+    return {
+        "workers": args.workers,
+        "batch": args.batch,
+        "worker_beats_per_s": batched["heartbeats_per_s"],
+        "p99_ms": batched["p99_ms"],
+        "p50_ms": batched["p50_ms"],
+        "single_heartbeats_per_s": single["heartbeats_per_s"],
+        "single_p99_ms": single["p99_ms"],
+        "errors": single["errors"] + batched["errors"],
+        "register_s": round(reg_s, 3),
+        "single": single,
+        "batched": batched,
+    }
+
+
+async def phase(run: Run, workers: list[Worker], batched: bool) -> dict[str, Any]:
+    """One load phase on fresh connections: warmup, then the measured window; its figures."""
+    args = run.args
+    run.stats, run.go, run.stop = Stats(), asyncio.Event(), False
+    run.m0 = run.m1 = float("inf")
+    conns = args.batch_connections if batched else args.connections
+    per_conn = [workers[c::conns] for c in range(conns)]
+    loop = run.batch_connection if batched else run.connection
+    tasks = [asyncio.create_task(loop(c, ws)) for c, ws in enumerate(per_conn) if ws]
+    spy: PySpy | None = None
+    server = run.server_pid
+    try:
+        await asyncio.sleep(0.2)  # connections open
         run.t0 = time.perf_counter()
         run.go.set()
         await asyncio.sleep(args.warmup)
-        spy = PySpy(server.pid, args.py_spy, args.duration) if args.py_spy else None
-        cpu0, srv0, all0 = time.process_time(), server_cpu_s(server.pid), machine_busy_s()
+        spy = PySpy(server, args.py_spy, args.duration) if args.py_spy and batched == bool(args.batch) else None
+        cpu0, srv0, all0 = time.process_time(), server_cpu_s(server), machine_busy_s()
         run.m0 = time.perf_counter()
         run.m1 = run.m0 + args.duration
         await asyncio.sleep(args.duration)
         run.stop = True
         window = time.perf_counter() - run.m0
-        cpu1, srv1, all1 = time.process_time(), server_cpu_s(server.pid), machine_busy_s()
+        cpu1, srv1, all1 = time.process_time(), server_cpu_s(server), machine_busy_s()
         done, pending = await asyncio.wait(tasks, timeout=10.0)
         for t in pending:
             t.cancel()
@@ -378,8 +494,6 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if run.httpx_client is not None:
-            await run.httpx_client.aclose()
     if spy is not None:
         spy.wait()
     st = run.stats
@@ -394,13 +508,14 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str
         "p50_ms": ms(lat, 50),
         "p99_ms": ms(lat, 99),
         "errors": st.errors,
-        "connections": args.connections,
+        "connections": conns,
         "duration_s": args.duration,
         "p999_ms": ms(lat, 99.9),
         "max_ms": round(lat[-1] * 1e3, 3) if lat else None,
-        "mode": f"paced {args.rate}/s" if args.rate else "closed-loop",
+        "mode": ("batched" if batched else "single") + (f", paced {args.rate}/s" if args.rate else ", closed-loop"),
         "client": args.client,
         "beats": st.ok,
+        "requests_per_s": round((st.requests if batched else st.ok) / args.duration, 1),
         "events_sent": st.events_sent,
         "event_beat_p50_ms": ms(st.ev_lat, 50),
         "event_beat_p99_ms": ms(st.ev_lat, 99),
@@ -414,9 +529,10 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_token: str
         # Everything else on the machine (other processes, kernel): a noisy neighbour shows up here.
         "other_cpu_pct": round(100 * ((all1 - all0) - (srv1 - srv0) - (cpu1 - cpu0)) / window, 1),
         "cpus": os.cpu_count(),
-        "register_s": round(reg_s, 3),
     }
-    if args.rate:
+    if batched:
+        result["batch"] = args.batch
+    if args.rate and not batched:
         result["e2e_p50_ms"] = ms(st.e2e, 50)
         result["e2e_p99_ms"] = ms(st.e2e, 99)
     if st.error_samples:
@@ -441,6 +557,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--event-ratio", type=float, default=0.01, help="share of beats carrying one log event (default 0.01)"
+    )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the single-beat phase, a batched phase: N workers' beats per POST /v1/heartbeats",
+    )
+    ap.add_argument(
+        "--batch-connections",
+        type=int,
+        default=4,
+        help="connections of the batched phase (default 4: each holds one batch in flight)",
     )
     ap.add_argument("--client", choices=("raw", "httpx"), default="raw")
     ap.add_argument(
@@ -476,6 +605,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rate must be in (0, 1000000]")
     if not 0 <= args.event_ratio <= 1:
         ap.error("--event-ratio must be in [0, 1]")
+    if args.batch and not 1 <= args.batch <= 1000:
+        ap.error("--batch must be in 1..1000 (MAX_BATCH_ITEMS)")
+    if args.batch and (args.rate is not None or args.client != "raw"):
+        ap.error("--batch runs closed loop with the raw client (no --rate, no --client httpx)")
+    if not 1 <= args.batch_connections <= 1024:
+        ap.error("--batch-connections must be in 1..1024")
     return args
 
 
@@ -492,23 +627,25 @@ def main(argv: list[str] | None = None) -> int:
     with ServerProcess(cprofile_out=args.cprofile, settings=args.server_setting, wrap=args.server_wrap) as server:
         with admin_client(server) as admin:
             admin.put_pool(POOL, memory_base_gb=7.0, memory_ceiling_gb=12.0)
-            pool_token = admin.create_token(pool=POOL, label="bench")
-        result = runner(bench(args, server, pool_token))
+            tokens = -(-args.workers // REGISTRATIONS_PER_TOKEN)
+            pool_tokens = [admin.create_token(pool=POOL, label=f"bench {i}") for i in range(tokens)]
+        result = runner(bench(args, server, pool_tokens))
         rc = server.stop()
     if rc not in (0, None):
         print(f"warning: control plane exited with {rc}", file=sys.stderr)
-    if result["other_cpu_pct"] > 15:
+    for one in (result["single"], result["batched"]) if args.batch else (result,):
+        if one["other_cpu_pct"] > 15:
+            print(
+                f"warning: other processes used {one['other_cpu_pct']}% CPU during the measured window "
+                f"({one['mode']}); the numbers are not from a quiet machine",
+                file=sys.stderr,
+            )
         print(
-            f"warning: other processes used {result['other_cpu_pct']}% CPU during the measured window; "
-            "the numbers are not from a quiet machine",
-            file=sys.stderr,
+            f"{one['workers']} workers, {one['connections']} conns, {one['mode']}, {args.client}: "
+            f"{one['heartbeats_per_s']:.0f} beats/s, p50 {one['p50_ms']:.2f} ms, "
+            f"p99 {one['p99_ms']:.2f} ms, errors {one['errors']}, "
+            f"server CPU {one['server_cpu_pct']}%, client CPU {one['client_cpu_pct']}%"
         )
-    print(
-        f"{result['workers']} workers, {result['connections']} conns, {result['mode']}, {args.client}: "
-        f"{result['heartbeats_per_s']:.0f} beats/s, p50 {result['p50_ms']:.2f} ms, "
-        f"p99 {result['p99_ms']:.2f} ms, errors {result['errors']}, "
-        f"server CPU {result['server_cpu_pct']}%, client CPU {result['client_cpu_pct']}%"
-    )
     print(json.dumps(result))
     return 1 if result["errors"] else 0
 

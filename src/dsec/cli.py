@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from dsec.cli_agent import agent
 from dsec.cli_common import (
     DEFAULT_ENDPOINT,
     AdminToken,
@@ -49,6 +50,7 @@ app.add_typer(metrics_app, name="metrics")
 app.add_typer(placement_app, name="placement")
 app.command("simulate")(simulate)
 app.command("serve")(serve)
+app.command("agent")(agent)
 app.command("launch")(launch)
 app.command("top")(top)
 app.command("cost")(cost)

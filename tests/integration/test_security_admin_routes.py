@@ -23,6 +23,8 @@ NOT_ADMIN = {
     # the worker protocol: a pool token registers, the worker's own token does the rest
     ("POST", "/v1/workers/register"),
     ("POST", "/v1/workers/{worker_id}/heartbeat"),
+    # batches of heartbeats: sent with a known worker's token, each item authorized by its own worker token
+    ("POST", "/v1/heartbeats"),
     ("POST", "/v1/workers/{worker_id}/deregister"),
     ("GET", "/v1/workers/{worker_id}/directive"),
     # reads: an admin or read-only token (require_read)

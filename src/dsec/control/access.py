@@ -87,6 +87,21 @@ class Access:
     def pool_of_token(self, token: str | None) -> str | None:
         return None if token is None else self.state.pool_token_hashes.get(auth.hash_token(token))
 
+    def batch_sender(self, token: str | None) -> None:
+        """Who may send ``POST /v1/heartbeats``: an admin token, or the token of a worker this control plane knows
+        (a node agent sends one of its batch's own). It only lets the body be parsed: every item is authorized by
+        its own worker token (``worker_for``), so a sender can beat only for workers whose tokens it was given."""
+        if token is None:
+            raise errors.unauthorized()
+        h = auth.hash_token(token)
+        if h in self.state.worker_token_hashes or h in self.state.admin_token_hashes:
+            return
+        if h in self.state.pool_token_hashes:
+            raise errors.forbidden("a pool token registers workers; a batch of heartbeats needs a worker's token")
+        if self.kind(h) is not None:
+            raise errors.forbidden("a batch of heartbeats is sent with the token of one of its workers")
+        raise errors.forbidden("unknown or revoked token")
+
     def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker:
         """The worker, if ``token`` is its own token or an admin token (or, with ``read``, a read-only token)."""
         if token is None:

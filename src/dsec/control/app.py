@@ -34,7 +34,7 @@ from dsec.control.http import (
     request_validation_handler,
     store_error_handler,
 )
-from dsec.control.ingest import HeartbeatShortcut, handle_heartbeat
+from dsec.control.ingest import HeartbeatShortcut, handle_batch, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
 from dsec.control.ratelimit import RateLimit, RateLimiter
 from dsec.control.runtime_routes import runtime_routes
@@ -43,6 +43,9 @@ from dsec.control.schemas import (
     DeviceSpec,
     DirectivePatch,
     EventRecord,
+    HeartbeatBatch,
+    HeartbeatBatchAnswer,
+    HeartbeatItem,
     HeartbeatRequest,
     PlacementRequest,
     PolicyUpload,
@@ -176,6 +179,35 @@ def worker_routes() -> APIRouter:
         return JSON(cp.directive_api(w))
 
     r.include_router(admin)
+    return r
+
+
+def batch_routes() -> APIRouter:
+    r = APIRouter(prefix="/v1", tags=["workers"], responses=documented(401, 403))
+
+    @r.post(
+        "/heartbeats",
+        response_model=HeartbeatBatchAnswer,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HeartbeatBatch"}}},
+            }
+        },
+    )
+    async def heartbeats(request: Request, authorization: Auth = None) -> Response:
+        """Many workers' heartbeats in one request (a node agent's, `dsec agent`): each item is a single beat's body
+        plus ``worker_id`` and that worker's own ``token``. Sent with an admin token or the token of a worker the
+        control plane knows (one of the batch's own). Answers one result per item, in order: the single-beat answer
+        with ``status`` 200, or that route's error body with its ``status`` and the item's ``index``; one bad item
+        never fails the others. More than 1000 items (MAX_BATCH_ITEMS) is a 422 naming ``items``.
+
+        Normally answered by the ASGI shortcut in ingest.py before FastAPI routing; same handler."""
+        status, answer = await handle_batch(
+            _cp(request), request.app.state.metrics, authorization, await request.body()
+        )
+        return JSON(answer, status_code=status)
+
     return r
 
 
@@ -477,6 +509,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.add_exception_handler(StoreError, store_error_handler)
     app.include_router(ops_routes())
     app.include_router(worker_routes())
+    app.include_router(batch_routes())
     app.include_router(admin_routes())
     app.state.heal = HealRegistry(
         cp.record_events,
@@ -503,7 +536,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         if settings.heartbeat_shortcut
         else app
     )
-    _contract_openapi(app, HeartbeatRequest)
+    _contract_openapi(app, HeartbeatRequest, HeartbeatBatch, HeartbeatItem)
     return app
 
 

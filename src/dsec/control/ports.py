@@ -58,8 +58,10 @@ class GaugeSource(Protocol):
 
 
 class HeartbeatEndpoint(Protocol):
-    """What the heartbeat hot path (``ingest.handle_heartbeat``) calls."""
+    """What the heartbeat hot path (``ingest.handle_heartbeat``, ``ingest.handle_batch``) calls."""
 
     def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker: ...
+
+    def batch_sender(self, token: str | None) -> None: ...
 
     async def heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]: ...

@@ -5,7 +5,8 @@ whether it is limited at all (admin tokens are not: they can mint tokens, so a l
 must be bounded in number, and the check costs a hash and a dict lookup. Heartbeats never pass here: the heartbeat
 shortcut answers them in front of this middleware (and the FastAPI heartbeat route is skipped by path), because a
 registered worker's beats are bounded by its own rules (one beat per ``seq``, metric-name and event budgets) and the
-ingest path carries ~10k beats/s. Healing routes are not limited either (see ``__call__``).
+ingest path carries ~10k beats/s; batches of heartbeats (``POST /v1/heartbeats``) likewise, item by item. Healing
+routes are not limited either (see ``__call__``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class RateLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Healing members share their pool's token and hold one long-poll each (a group of thousands re-watches at
         # thousands per second right after a change): bounded by the protocol, like heartbeats, not by this limit.
-        if scope["type"] != "http" or ingest.match(scope["path"]) is not None or scope["path"].startswith("/v1/heal/"):
+        if scope["type"] != "http" or _unlimited(scope["path"]):
             await self.app(scope, receive, send)
             return
         token = None
@@ -108,6 +109,10 @@ class RateLimit:
                                                        "Authorization", wait))  # fmt: skip
                     return
         await self.app(scope, receive, send)
+
+
+def _unlimited(path: str) -> bool:
+    return ingest.match(path) is not None or path == ingest.BATCH_ROUTE or path.startswith("/v1/heal/")
 
 
 async def _answer(send: Send, status: int, body: dict[str, object], headers: list[tuple[bytes, bytes]]) -> None:

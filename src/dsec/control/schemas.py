@@ -244,6 +244,61 @@ class HeartbeatRequest(Strict):
         return v
 
 
+# POST /v1/heartbeats: how many workers' beats one request may carry (each item about 0.5 KiB with ~8 metrics, so a
+# full batch stays well inside max_body_bytes' default 1 MiB).
+MAX_BATCH_ITEMS = 1000
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
+class HeartbeatItem(HeartbeatRequest):
+    """One worker's beat in ``POST /v1/heartbeats``: exactly the single-beat body plus whose beat it is and that
+    worker's own token (each item is authenticated by its own token; docs/protocol.md says why)."""
+
+    worker_id: str = Field(..., pattern=WORKER_ID_PATTERN)
+    token: str = Field(..., min_length=1, max_length=256, description="the worker's own token (dsw_...)")
+
+
+ITEM_RULES = (
+    "a HeartbeatItem (#/components/schemas/HeartbeatItem); each item is checked on its own — its token first, then "
+    "its fields — so an item that is not one gets its own error in the answer and the others are applied"
+)
+
+
+class HeartbeatBatch(Strict):
+    """Body of ``POST /v1/heartbeats``: many workers' beats, answered item by item in the same order."""
+
+    items: list[Annotated[Any, Field(description=ITEM_RULES)]] = Field(..., max_length=MAX_BATCH_ITEMS)
+
+
+class BeatAnswer(BaseModel):
+    """A heartbeat's answer (the single-beat route's 200 body; with ``status`` 200 as an item of a batch answer)."""
+
+    status: int = Field(200, description="in a batch answer: 200 (applied, or a duplicate)")
+    seq: int
+    duplicate: bool
+    server_time: float
+    directive: dict[str, Any] | None = Field(..., description="the full desired directive when the acked differs")
+    latency_cap_ms: float | None = None
+
+
+class BeatItemError(BaseModel):
+    """A batch item that was not applied: the single-beat route's error body for it, its HTTP status and its index;
+    ``field`` is relative to the item, as the single-beat route names it."""
+
+    status: int = Field(..., description="401, 403, 404, 409, 422, 429 or 503, as the single-beat route answers")
+    index: int = Field(..., description="the item's position in the request, from 0")
+    error: str
+    message: str
+    field: str | None
+    details: list[dict[str, Any]]
+
+
+class HeartbeatBatchAnswer(BaseModel):
+    """One result per item, in the request's order."""
+
+    items: list[BeatAnswer | BeatItemError]
+
+
 def _not_nullable(schema: dict[str, Any]) -> None:
     """The schema of a field that may be omitted but not null: ``X | None`` in Python (None is "omitted"), ``X`` on
     the wire, without a default (a null sent is refused by ``_not_null``)."""

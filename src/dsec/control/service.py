@@ -243,6 +243,10 @@ class ControlPlane:
     def pool_of_token(self, token: str | None) -> str | None:
         return self.access.pool_of_token(token)
 
+    def batch_sender(self, token: str | None) -> None:
+        """Raises unless ``token`` may send a batch of heartbeats (whose items carry their own tokens)."""
+        self.access.batch_sender(token)
+
     def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker:
         """The worker, if ``token`` is its own token or an admin token (with ``read``, a read-only token too)."""
         return self.access.worker_for(worker_id, token, read)

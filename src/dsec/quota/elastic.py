@@ -55,6 +55,7 @@ same values. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -216,7 +217,7 @@ def plan(
         raise ValueError(f"ceiling_gb={ceiling_gb!r} is invalid: expected >= base_gb ({base_gb:g})")
     workers = tuple(workers)
     ids = [w.worker_id for w in workers]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)  # not ids.count: quadratic at 10k workers
     if duplicates:
         raise ValueError(f"worker_id={duplicates!r} appear more than once: expected one entry per worker")
 
