@@ -26,11 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import socket
-import threading
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,7 +34,6 @@ from typing import Any
 
 import httpx
 import orjson
-import uvicorn
 
 from dsec.backoff import Backoff
 from dsec.control.ingest import match as heartbeat_worker_id
@@ -407,79 +402,3 @@ async def _respond(send: Send, status: int, payload: bytes, headers: dict[str, s
     head.append((b"content-length", str(len(payload)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": payload})
-
-
-# -- serving -----------------------------------------------------------------------------------------------------------
-def _sockets(config: AgentConfig) -> list[socket.socket]:
-    socks = []
-    if config.listen_tcp:
-        s = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((config.host, config.port))
-        socks.append(s)
-    if config.uds:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(config.uds)  # a socket file left by an agent that died
-        u = socket.socket(socket.AF_UNIX)
-        u.bind(config.uds)
-        os.chmod(config.uds, 0o600)  # the machine's probes run as the same user
-        socks.append(u)
-    return socks
-
-
-def uvicorn_server(agent: NodeAgent, log_level: str = "warning") -> uvicorn.Server:
-    return uvicorn.Server(
-        uvicorn.Config(
-            agent,
-            log_level=log_level,
-            lifespan="on",
-            access_log=False,
-            server_header=False,
-            date_header=False,
-            timeout_keep_alive=75,  # probes keep their connection between beats
-            timeout_graceful_shutdown=2,
-        )
-    )
-
-
-class AgentThread:
-    """The agent on a background thread (tests, embedding): ``url`` to point probes at; ``close()`` stops it."""
-
-    def __init__(self, config: AgentConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.agent = NodeAgent(config, transport)
-        self._socks = _sockets(config)
-        self.port = int(self._socks[0].getsockname()[1]) if config.listen_tcp else None
-        self.host = config.host
-        self.server = uvicorn_server(self.agent)
-        self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": self._socks}, name="dsec-agent", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError("the node agent failed to start (see log)")
-            if time.monotonic() > deadline:
-                raise TimeoutError("the node agent did not start within 30 s")
-            time.sleep(0.01)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self._thread.join(timeout=30)
-        for s in self._socks:
-            s.close()
-
-    def __enter__(self) -> AgentThread:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def run_agent(config: AgentConfig, log_level: str = "info") -> None:
-    """Serve in the foreground until interrupted (``dsec agent``)."""
-    uvicorn_server(NodeAgent(config), log_level=log_level).run(sockets=_sockets(config))
