@@ -170,6 +170,9 @@ def test_live_without_a_terminal_refreshes_until_ctrl_c(cluster: Cluster) -> Non
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal delivers it: a test run started in the background (`make test &`, some CI runners)
+        # has SIGINT ignored, children inherit that, and Python then installs no KeyboardInterrupt handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         # Running, not importing: it holds a connection to the control plane (a loaded machine imports slowly, and a
