@@ -166,3 +166,51 @@ def test_the_shortest_window_is_one_second_and_a_bad_word_is_quoted_whole() -> N
     with pytest.raises(ExprError) as e:
         parse("x > 5Qz", M)
     assert e.value.message.startswith("'5Qz' is neither a number nor a duration") and e.value.offset == 4
+
+
+# -- the engine's acting (a rule firing on a constant condition) ------------------------------------------------------
+def _engine_run(rule_yaml: str, knobs: dict[str, float], times: list[float]) -> list[list[Decision]]:
+    import textwrap
+
+    from dsec.policy import Engine, SeriesStore, compile_policies
+
+    ps = compile_policies(textwrap.dedent(rule_yaml), "p.yaml")
+    series = SeriesStore(retention_s=1e9)
+    series.add_series(("dsec_workers_lost", "pool-0", None), [(0.0, 5.0)])
+    engine = Engine(ps)
+    values = dict(knobs)
+    out = []
+    for now in times:
+        ds, _ = engine.evaluate(now, [Scope("pool-0")], series, lambda s, k: values.get(k.name), lambda p: False)
+        for d in ds:
+            if d.changes and d.new is not None:
+                values[d.knob] = d.new
+        out.append(ds)
+    return out
+
+
+RULE_YAML = """\
+policies:
+  - name: r
+    when: dsec_workers_lost > 2
+    then: [{knob: latency_cap_ms, by: 5}]
+"""
+
+
+def test_an_applied_change_carries_no_detail_and_adds_to_zero_as_zero() -> None:
+    (first,) = _engine_run(RULE_YAML, {"latency_cap_ms": 0.0}, [100.0])
+    (d,) = first
+    assert d.outcome == "applied" and (d.old, d.new) == (0.0, 5.0)
+    assert "detail" not in d.to_event()
+
+
+def test_a_one_second_cooldown_lets_a_still_true_rule_act_again_after_it() -> None:
+    rule = RULE_YAML + "    cooldown: 1s\n"
+    runs = _engine_run(rule, {"latency_cap_ms": 50.0}, [100.0, 100.5, 101.0])
+    assert [[d.outcome for d in ds] for ds in runs] == [["applied"], [], ["applied"]]
+
+
+def test_dry_run_changes_count_toward_the_rate_limit() -> None:
+    rule = RULE_YAML + "    cooldown: 1s\n    max_per: 1/1h\n    dry_run: true\n"
+    runs = _engine_run(rule, {"latency_cap_ms": 50.0}, [100.0, 101.0])
+    assert [[d.outcome for d in ds] for ds in runs] == [["dry_run"], ["rate_limited"]]
