@@ -36,7 +36,9 @@ import httpx
 import orjson
 
 from dsec.backoff import Backoff
+from dsec.control.auth import bearer
 from dsec.control.ingest import match as heartbeat_worker_id
+from dsec.control.ingest import read_body
 from dsec.control.schemas import MAX_BATCH_ITEMS
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,7 @@ class NodeAgent:
             return
         if scope["type"] != "http":
             return
-        body = await _read_body(receive, self.config.max_body_bytes)
+        body = await read_body(receive, self.config.max_body_bytes)
         if body is None:
             status, answer = _error(413, "too_large", f"request body exceeds {self.config.max_body_bytes} bytes",
                                     "body")  # fmt: skip
@@ -193,7 +195,7 @@ class NodeAgent:
     async def heartbeat(self, worker_id: str, authorization: str | None, body: bytes) -> Answer:
         """Queue one probe's beat for the next batch and answer what the control plane answered for it."""
         self.stats.beats_in += 1
-        token = _bearer(authorization)
+        token = bearer(authorization)
         if token is None:
             return _error(401, "unauthorized", "missing or malformed Authorization: Bearer <token> header",
                           "Authorization")  # fmt: skip
@@ -372,29 +374,6 @@ def _answer(waiters: list[asyncio.Future[Answer]], answer: Answer) -> None:
     for w in waiters:
         if not w.done():
             w.set_result((answer[0], dict(answer[1])))
-
-
-def _bearer(header: str | None) -> str | None:
-    if not header:
-        return None
-    scheme, _, value = header.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            break
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
 
 
 async def _respond(send: Send, status: int, payload: bytes, headers: dict[str, str]) -> None:

@@ -255,7 +255,7 @@ class HeartbeatShortcut:
                 status, answer = 413, _too_large(self.max, value.decode())
                 break
         else:
-            body = await _read_body(receive, self.max)
+            body = await read_body(receive, self.max)
             if body is None:
                 status, answer = 413, _too_large(self.max, f"more than {self.max}")
             elif worker_id:
@@ -279,7 +279,7 @@ class HeartbeatShortcut:
         (self._latency if worker_id else self._batch_latency).observe(time.perf_counter() - start)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
+async def read_body(receive: Receive, limit: int) -> bytes | None:
     chunks, size = [], 0
     while True:
         message = await receive()
