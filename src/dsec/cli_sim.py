@@ -30,6 +30,14 @@ def simulate(
         Path | None, typer.Option(help="Directory for report.md + PNG plots (default: dsec-sim-<scenario>).")
     ] = None,
     no_report: Annotated[bool, typer.Option("--no-report", help="Print the figures only.")] = False,
+    publish: Annotated[
+        bool,
+        typer.Option(
+            "--publish/--no-publish",
+            help="Copy the report's plots to $DSEC_PLOTS_DIR (default: $DSEC_HOME/plots), where the dashboard of "
+            "`dsec serve` shows the latest run's.",
+        ),
+    ] = True,
     sweep: Annotated[
         bool, typer.Option("--sweep", help="Also run the sensitivity sweep (jitter, OOM rate, latency cap).")
     ] = False,
@@ -83,12 +91,28 @@ def simulate(
         target = report or Path(f"dsec-sim-{sc.name}")
         path = write_report(comparison, target, rows)
         out.print(f"report: {path}")
+        if publish:
+            _publish(comparison, target)
     if as_json:
         headline = comparison.headline()
         if rows is not None:
             headline["sweep"] = rows
         sys.stdout.flush()
         print(json.dumps(headline), flush=True)
+
+
+def _publish(c: Any, report: Path) -> None:
+    from dsec.plots import plots_dir
+    from dsec.plots import publish as publish_plots
+
+    sc, target = c.scenario, plots_dir()
+    run = {"scenario": sc.name, "seed": sc.seed, "simulated_h": sc.duration_h, "workers": sc.workers}
+    try:
+        names = publish_plots(report, target, run)
+    except OSError as exc:  # the report is written; the dashboard copy is a convenience
+        Console(stderr=True).print(f"plots not published to {target}: {exc}", markup=False, highlight=False)
+        return
+    out.print(f"plots for the dashboard: {target} ({', '.join(names)})", markup=False, highlight=False, soft_wrap=True)
 
 
 def _table(c: Any) -> None:
