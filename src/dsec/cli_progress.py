@@ -61,6 +61,10 @@ class Bars:
         self.share = share
         self._stdout = Console()
 
+    @property
+    def shown(self) -> bool:
+        return self.progress is not None
+
     def out(self, *objects: Any, **kwargs: Any) -> None:
         """``Console.print`` on stdout (above the bars when both are the terminal)."""
         console = self.progress.console if self.progress is not None and self.share else self._stdout

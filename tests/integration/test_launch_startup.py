@@ -104,3 +104,6 @@ def test_dsec_launch_draws_ranks_registered_on_stderr_only(server: Harness, tmp_
     assert "toy: ranks registered" in r.stderr and "2/2 ranks" in r.stderr and "100%" in r.stderr
     assert r.stdout.startswith("started toy: learners-0@gpu-") and "job toy finished (0 restart(s))" in r.stdout
     assert "ranks registered" not in r.stdout
+    quiet = CliRunner().invoke(app, [*args, "--no-progress"], env={"COLUMNS": "120"})
+    assert quiet.exit_code == 0, quiet.output
+    assert quiet.stderr == "" and quiet.stdout.splitlines()[1:] == r.stdout.splitlines()[1:]

@@ -13,7 +13,8 @@ from dsec.client import ClientError
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.25  # how often the control plane is asked for the job's workers
+POLL_S = 0.25  # how often the control plane is asked for the job's workers during the first SLOW_AFTER_S
+SLOW_POLL_S, SLOW_AFTER_S = 2.0, 30.0  # then (ranks that take long, or a command that never registers)
 
 
 def known_workers(client: Any, pool: str) -> set[str]:
@@ -43,11 +44,11 @@ def wait_for_ranks(
     first, or ``deadline`` (time.monotonic()) passed (False). ``on_progress(ranks registered, ranks)`` after each
     look at the control plane; a failed look is retried at the next one."""
     total = sum(g.world_size for g in sup.job.groups)
-    done, next_look = 0, 0.0
+    done, next_look, started = 0, 0.0, time.monotonic()
     while True:
         now = time.monotonic()
         if now >= next_look:
-            next_look = now + POLL_S
+            next_look = now + (POLL_S if now - started < SLOW_AFTER_S else SLOW_POLL_S)
             try:
                 done = max(done, registered_ranks(client, sup.job, before))
             except ClientError as exc:
