@@ -91,3 +91,16 @@ def test_line_chart_is_svg_with_a_polyline_per_series_and_escaped_text() -> None
     assert len(root.findall(f"{SVG}polyline")) == 2
     assert "x & y" in [t.text for t in root.iter(f"{SVG}text")]
     assert "<script" not in doc
+
+
+def test_the_demos_simulator_scene_publishes_its_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("numpy")
+    from dsec.demo import simulation
+
+    monkeypatch.setattr(simulation, "HOURS", 0.2)  # the scene's scenario, shorter
+    result = simulation.simulate_cluster(tmp_path / "report", tmp_path / "plots")
+    assert result["headline"]["workers"] == 128
+    listing = plots.latest(tmp_path / "plots")
+    assert listing["run"]["scenario"] == "rl-128" and listing["run"]["simulated_h"] == 0.2
+    assert "goodput.svg" in [p["name"] for p in listing["plots"]]
+    assert (tmp_path / "report" / "report.md").exists()
