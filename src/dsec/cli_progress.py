@@ -1,9 +1,11 @@
 """Progress bars for long CLI work (``dsec simulate``, ``dsec snapshots verify | restore | compact``, ``dsec launch``
 start-up), drawn with ``rich.progress`` on stderr.
 
-A bar is shown when stderr is a terminal, or when ``--progress`` asks for one (``--no-progress`` never shows one). It
-never writes to stdout: tables, ids and ``--json`` lines are the same bytes with or without it. On a stderr that is
-not a terminal (a forced bar in a log file), rich draws nothing while it runs and prints the final state once.
+A bar is shown when stderr is a terminal, or when ``--progress`` asks for one (``--no-progress`` never shows one). The
+bar is never written to stdout: tables, ids and ``--json`` lines are the same bytes with or without it. (When stdout
+is a terminal as well, the lines a command prints while a bar runs go through the bar's console, above the bar, so
+that the two do not garble each other on the screen.) On a stderr that is not a terminal (a forced bar in a log file),
+rich draws nothing while it runs and prints the final state once.
 
 The bars count real units of work that the code below reports through ``on_progress(done, total)`` hooks: simulated
 hours, sweep points, snapshots verified, tensors decoded or written, ranks registered. Work that has no hook (reading
@@ -38,7 +40,7 @@ ShowProgress = Annotated[
     typer.Option(
         "--progress/--no-progress",
         show_default=False,
-        help="Progress bar on stderr (default: only when stderr is a terminal); stdout is never touched.",
+        help="Progress bar on stderr (default: only when stderr is a terminal); never written to stdout.",
     ),
 ]
 
@@ -98,10 +100,6 @@ class Task:
     def advance(self, by: float = 1.0) -> None:
         if self._progress is not None and self._task is not None:
             self._progress.advance(self._task, by)
-
-    def describe(self, description: str) -> None:
-        if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, description=description)
 
 
 def _number(x: float) -> str:

@@ -3,7 +3,13 @@ on stderr when asked for, and stdout (tables, ``--json``) is the same with or wi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pty
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +36,16 @@ def test_wanted_follows_the_flag_else_whether_stderr_is_a_terminal() -> None:
     assert wanted(None) is False  # pytest captures stderr: not a terminal
 
 
-def test_without_bars_every_call_is_a_no_op(capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_bars_tasks_do_nothing_and_lines_go_where_they_belong(capsys: pytest.CaptureFixture[str]) -> None:
     with bars(False) as b:
         t = b.task("x", total=3)
         t.update(1)
         t.advance()
-        t.describe("y")
-    assert capsys.readouterr().out == ""
+        b.note("to stderr")
+        b.out("to stdout")
+    assert b.shown is False
+    captured = capsys.readouterr()
+    assert captured.out == "to stdout\n" and captured.err == "to stderr\n"
 
 
 # -- the simulator --------------------------------------------------------------------------------------------------
@@ -154,3 +163,24 @@ def test_snapshot_commands_draw_bars_on_stderr_only(store: Path, tmp_path: Path)
     assert shown.stdout == "compacted learner-0/3 -> learner-0/4\n"
     n = len(read_manifest(LocalDirStore(store), "learner-0", 3)["tensors"])
     assert "compacting learner-0/3" in shown.stderr and f"{n}/{n} tensors" in shown.stderr
+
+
+def test_on_a_terminal_lines_print_above_the_bar_not_on_it(store: Path) -> None:
+    """stdout and stderr both the terminal (a pty): the bar redraws in place, each `ok` line stands on its own."""
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm"}
+    cmd = [sys.executable, "-m", "dsec.cli", "snapshots", "verify", "--dir", str(store)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary, env=env)
+    os.close(secondary)
+    data = b""
+    with contextlib.suppress(OSError):  # EIO once the child closed the terminal
+        while chunk := os.read(primary, 65536):
+            data += chunk
+    os.close(primary)
+    assert proc.wait(timeout=60) == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", data.decode())  # colours, cursor moves, line erases
+    # What the screen shows of each line: the text after its last carriage return (the bar erases its line first).
+    lines = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n")]
+    oks = [line for line in lines if "ok " in line]
+    assert len(oks) == 6 and all(line.startswith("ok ") for line in oks), lines
+    assert "6/6 snapshots" in text and "100%" in text  # drawn without --progress: stderr is a terminal
