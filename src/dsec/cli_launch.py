@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from dsec.cli_common import (
     stdout_console,
     widen,
 )
+from dsec.cli_progress import Bars, ShowProgress, bars, wanted
 from dsec.yamlconf import ConfigError
 
 placement_app = typer.Typer(help="Place jobs and explain placements.", no_args_is_help=True)
@@ -106,27 +108,39 @@ def launch(
     token: Annotated[str | None, typer.Option(envvar="DSEC_TOKEN", help="Pool token for the workers' probes.")] = None,
     log_dir: Annotated[Path, typer.Option(help="Worker logs.")] = Path(".dsec/logs"),
     timeout: Annotated[float | None, typer.Option(help="Give up after this many seconds.")] = None,
+    show_progress: ShowProgress = None,
 ) -> None:
     """Place a job, start its workers (local processes or Ray), and restart failed groups from their snapshots."""
     from dsec.client import ClientError
     from dsec.launch import make_launcher
+    from dsec.launch.startup import known_workers, wait_for_ranks
     from dsec.launch.supervisor import Recovery, Supervisor
 
     spec = _job(job)
+    shown = wanted(show_progress)
+    printer = [Bars(None)]  # the start-up bars while they show: a recovery then prints above them
 
     def report(r: Recovery) -> None:
-        out.print(f"recovered group {r.group}: " + json.dumps(r.timings()), highlight=False, soft_wrap=True)
+        printer[0].out(f"recovered group {r.group}: " + json.dumps(r.timings()), highlight=False, soft_wrap=True)
 
     with admin_client(endpoint, admin_token) as c:
         launcher = make_launcher(spec.launcher, log_dir=log_dir, base_env=dict(os.environ), warm=spec.warm_standby)
         sup = Supervisor(spec, launcher, client=c, endpoint=endpoint, pool_token=token, on_recovery=report)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            # Counting ranks asks the control plane for the pool's workers: only when a bar shows it.
+            before = known_workers(c, spec.pool) if shown else set()
             sup.start()
             out.print(
                 f"started {spec.job}: "
                 + ", ".join(f"{a['worker']}@{a['device']}" for a in sup.placement["assignments"])
             )
-            ok = sup.run(timeout)
+            if shown:
+                with bars(True) as printer[0]:
+                    task = printer[0].task(f"{spec.job}: ranks registered", unit="ranks")
+                    wait_for_ranks(sup, c, before, task.update, deadline)
+                printer[0] = Bars(None)
+            ok = sup.run(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except (ClientError, RuntimeError) as exc:
             raise fail(exc) from None
         finally:

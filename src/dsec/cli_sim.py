@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.table import Table
 
 from dsec.cli_common import fail
+from dsec.cli_progress import ShowProgress, bars
 from dsec.yamlconf import ConfigError
 
 out = Console()
-err_console = Console(stderr=True)
 
 
 def simulate(
@@ -30,11 +30,20 @@ def simulate(
         Path | None, typer.Option(help="Directory for report.md + PNG plots (default: dsec-sim-<scenario>).")
     ] = None,
     no_report: Annotated[bool, typer.Option("--no-report", help="Print the figures only.")] = False,
+    publish: Annotated[
+        bool,
+        typer.Option(
+            "--publish/--no-publish",
+            help="Copy the report's plots to $DSEC_PLOTS_DIR (default: $DSEC_HOME/plots), where the dashboard of "
+            "`dsec serve` shows the latest run's.",
+        ),
+    ] = True,
     sweep: Annotated[
         bool, typer.Option("--sweep", help="Also run the sensitivity sweep (jitter, OOM rate, latency cap).")
     ] = False,
     sweep_hours: Annotated[float, typer.Option(min=0.01, max=720, help="Simulated hours per sweep point.")] = 6.0,
     as_json: Annotated[bool, typer.Option("--json", help="End with the benchmark's one-line JSON.")] = False,
+    show_progress: ShowProgress = None,
 ) -> None:
     """Simulate SCENARIO under the baseline (Kubernetes + torchrun practice) and under DSec's own decision code, on
     the same seeded fault trace, in virtual time; report goodput, GPU-hours lost, interruptions, recovery."""
@@ -43,9 +52,10 @@ def simulate(
     except ImportError:
         raise fail("the simulator needs numpy: pip install 'dsec[sim]'", 2) from None
     from dsec.sim.report import write_report
+    from dsec.sim.runner import REGIMES
     from dsec.sim.runner import simulate as run_simulation
     from dsec.sim.scenario import load_scenario, with_overrides
-    from dsec.sim.sweep import findings
+    from dsec.sim.sweep import findings, points
     from dsec.sim.sweep import sweep as run_sweep
 
     settings = list(set_ or [])
@@ -55,31 +65,54 @@ def simulate(
         sc = with_overrides(load_scenario(scenario), settings)
     except ConfigError as exc:
         raise fail(str(exc), 2) from None
-    try:
-        comparison = run_simulation(sc)
-    except ConfigError as exc:  # a policy file the scenario names
-        raise fail(str(exc), 2) from None
+    with bars(show_progress) as b:
+        task = b.task(f"simulating {sc.name}", total=sc.duration_h * len(REGIMES), unit="simulated h")
+        try:
+            comparison = run_simulation(sc, on_progress=task.update)
+        except ConfigError as exc:  # a policy file the scenario names
+            comparison, failed = None, str(exc)
+    if comparison is None:
+        raise fail(failed, 2)
     _table(comparison)
     rows = None
     if sweep:
-        err_console.print(f"sweep: {sweep_hours:g} simulated hours per point, both regimes each")
+        with bars(show_progress) as b:
+            b.note(f"sweep: {sweep_hours:g} simulated hours per point, both regimes each")
+            task = b.task("sweep", total=len(points(sc)), unit="points")
 
-        def progress(p: Any, row: dict[str, Any]) -> None:
-            err_console.print(f"  {p.parameter} = {p.value:g}: goodput ratio {row['goodput_ratio']}")
+            def progress(p: Any, row: dict[str, Any]) -> None:
+                b.note(f"  {p.parameter} = {p.value:g}: goodput ratio {row['goodput_ratio']}")
+                task.advance()
 
-        rows = run_sweep(sc, hours=sweep_hours, progress=progress)
+            rows = run_sweep(sc, hours=sweep_hours, progress=progress)
         for line in findings(rows):
             out.print(f"[bold]sweep:[/] {line}")
     if not no_report:
         target = report or Path(f"dsec-sim-{sc.name}")
         path = write_report(comparison, target, rows)
         out.print(f"report: {path}")
+        if publish:
+            _publish(comparison, target)
     if as_json:
         headline = comparison.headline()
         if rows is not None:
             headline["sweep"] = rows
         sys.stdout.flush()
         print(json.dumps(headline), flush=True)
+
+
+def _publish(c: Any, report: Path) -> None:
+    from dsec.plots import plots_dir
+    from dsec.plots import publish as publish_plots
+
+    sc, target = c.scenario, plots_dir()
+    run = {"scenario": sc.name, "seed": sc.seed, "simulated_h": sc.duration_h, "workers": sc.workers}
+    try:
+        names = publish_plots(report, target, run)
+    except OSError as exc:  # the report is written; the dashboard copy is a convenience
+        Console(stderr=True).print(f"plots not published to {target}: {exc}", markup=False, highlight=False)
+        return
+    out.print(f"plots for the dashboard: {target} ({', '.join(names)})", markup=False, highlight=False, soft_wrap=True)
 
 
 def _table(c: Any) -> None:

@@ -253,3 +253,33 @@ def test_the_page_holds_no_secret_and_forbids_framing_and_inline_script(cp: Harn
         assert "/" not in paths and not any(p.startswith("/dashboard") for p in paths)
     with Client(cp.url) as anonymous:
         assert anonymous.metrics_text().startswith("#")  # the page's headline gauges need no token
+
+
+def test_dashboard_shows_the_simulators_latest_plots(cp: Harness, browser: Any, tmp_path: Path) -> None:
+    from dsec import plots
+    from dsec.sim.svg import Series, line_chart
+
+    report = tmp_path / "report"
+    report.mkdir()
+    chart = line_chart("demo: goodput over time", "simulated hours", "useful steps/s", [
+        Series("tuned baseline", "#1f77b4", [(0, 10), (1, 8), (2, 9)]),
+        Series("DSec", "#d62728", [(0, 10), (1, 10), (2, 9.5)]),
+    ])  # fmt: skip
+    (report / "goodput.svg").write_text(chart)
+    plots.publish(report, cp.settings.plots, {"scenario": "demo", "seed": 1, "simulated_h": 2, "workers": 8})
+    read_token = cp.admin.create_token(kind="read")
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    console = Console(page)
+    page.goto(f"{cp.url}/#token={read_token}")
+    img = '#plots figure[data-plot="goodput.svg"] img'
+    page.wait_for_function(f"() => document.querySelector('{img}')?.naturalWidth > 0", timeout=10_000)
+    assert page.get_attribute('#plots figure[data-plot="goodput.svg"] a', "href").startswith("blob:")
+    assert "demo: 8 workers, 2 simulated hours, seed 1" in page.inner_text("#plots-run")
+    assert "goodput over time" in page.inner_text("#plots")
+    page.locator("#plots-section").scroll_into_view_if_needed()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / "dashboard-plots.png"
+    page.locator("#plots-section").screenshot(path=str(shot))
+    page.close()
+    print(f"\ndashboard plots screenshot: {shot}")
+    assert console.errors == []

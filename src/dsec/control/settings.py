@@ -109,6 +109,12 @@ class Settings:
     cost_refresh_s: float = 60.0
     # Serve /docs and /redoc (they load scripts from a CDN and describe every route to anyone).
     api_docs: bool = False
+    # Where `dsec simulate` publishes its latest plots for the dashboard (DSEC_PLOTS_DIR); None: home / "plots".
+    plots_dir: Path | None = None
+
+    @property
+    def plots(self) -> Path:
+        return self.plots_dir if self.plots_dir is not None else self.home / "plots"
 
     def __post_init__(self) -> None:
         if self.lost_after_beats < 1:
@@ -141,7 +147,7 @@ class Settings:
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN, DSEC_WEBHOOK_ALLOW_PRIVATE,
-        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR) <- explicit overrides."""
+        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR, DSEC_PLOTS_DIR) <- explicit overrides."""
         home = Path(str(overrides.pop("home", None) or default_home()))
         url = (
             overrides.pop("database_url", None)
@@ -161,4 +167,6 @@ class Settings:
                 raise ValueError(
                     f"DSEC_COST_DEVICE_HOUR={os.environ['DSEC_COST_DEVICE_HOUR']!r} is invalid: expected a number"
                 ) from None
+        if "plots_dir" not in overrides and os.environ.get("DSEC_PLOTS_DIR"):
+            overrides["plots_dir"] = Path(os.environ["DSEC_PLOTS_DIR"])
         return cls(home=home, database_url=str(url), admin_token=admin and str(admin), **overrides)  # type: ignore[arg-type]

@@ -500,7 +500,7 @@ def run_demo(
                 f"simulating {simulation_scene.SCENARIO} for {simulation_scene.HOURS:g} hours: baseline vs DSec's "
                 "own decision code on one fault trace"
             )
-            run.state["simulation"] = simulation_scene.simulate_cluster()
+            run.state["simulation"] = simulation_scene.simulate_cluster(home / "sim-report", settings.plots)
             scenes_ok["simulator: 128 agents, baseline vs DSec's modules on one fault trace (dsec simulate)"] = (
                 simulation_scene.ran(run.state["simulation"])
             )

@@ -15,15 +15,24 @@ def scenario_path() -> Path:
     return Path(str(resources.files("dsec") / "data" / "scenarios" / SCENARIO))
 
 
-def simulate_cluster() -> dict[str, Any]:
-    """Run the scene; returns the figures for the summary (``error`` when the simulator could not run)."""
+def simulate_cluster(report: Path | None = None, plots_dir: Path | None = None) -> dict[str, Any]:
+    """Run the scene; returns the figures for the summary (``error`` when the simulator could not run). With
+    ``report`` the report is written there, and with ``plots_dir`` its plots are published for the dashboard."""
     try:
+        from dsec.sim.report import write_report
         from dsec.sim.runner import simulate
         from dsec.sim.scenario import load_scenario
     except ImportError as exc:  # numpy missing: the simulator is the `sim` extra
         return {"error": f"simulator unavailable ({exc}); pip install 'dsec[sim]'"}
     sc = load_scenario(scenario_path()).model_copy(update={"duration_h": HOURS})
     c = simulate(sc)
+    if report is not None:
+        write_report(c, report)
+        if plots_dir is not None:
+            from dsec.plots import publish
+
+            run = {"scenario": sc.name, "seed": sc.seed, "simulated_h": HOURS, "workers": sc.workers}
+            publish(report, plots_dir, run)
     return {"headline": c.headline(), "baseline": c.summary(c.comparator), "dsec": c.summary("dsec")}
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -256,7 +256,9 @@ class Simulation:
         self.interruptions.append(Interruption(t, g, cause, len(victims), recovery, lost))
 
     # -- the loop ------------------------------------------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self, on_progress: Callable[[int, int], None] | None = None) -> Outcome:
+        """Simulate the whole horizon; ``on_progress(ticks done, ticks)`` after every timeline point (10 simulated
+        minutes) and at the end."""
         wall0 = time.perf_counter()
         sc = self.sc
         horizon = sc.duration_h * 3600.0
@@ -283,6 +285,8 @@ class Simulation:
             self._sample(k, t_sample)
             if k % timeline_every == 0 or k == ticks:
                 self.timeline.append((t_sample, float(self.progress.sum())))
+                if on_progress is not None:
+                    on_progress(k, ticks)
         self.account(horizon)
         for g in range(self.G):
             if self.status[g] == DOWN:

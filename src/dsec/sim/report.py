@@ -1,4 +1,5 @@
-"""The simulation report: Markdown with the figures of both regimes, and PNG plots (matplotlib, when installed)."""
+"""The simulation report: Markdown with the figures of both regimes, goodput over time as SVG (always), and PNG plots
+(matplotlib, when installed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from dsec.sim.runner import Comparison
+from dsec.sim.svg import Series, line_chart, rates
 from dsec.sim.sweep import findings
+
+GOODPUT_SVG = "goodput.svg"
+# How each regime is drawn: label, colour.
+REGIME_STYLE = {
+    "baseline": ("naive baseline", "#9e9e9e"),
+    "tuned": ("tuned baseline", "#1f77b4"),
+    "dsec": ("DSec", "#d62728"),
+}
 
 # Targets issue 9 names, measured here, not asserted: (key in the headline, label, test on the value).
 TARGETS: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
@@ -122,8 +132,8 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         lines += ["", "Where DSec does not help:", ""]
         lines += [f"- {f}" for f in findings(sweep_rows)]
         lines.append("")
-    if not plots:
-        lines += ["(No plots: matplotlib is not installed — `pip install dsec[sim]`.)", ""]
+    if not any(p.endswith(".png") for p in plots.values()):
+        lines += ["(No PNG plots: matplotlib is not installed — `pip install dsec[sim]`.)", ""]
     return "\n".join(lines)
 
 
@@ -185,9 +195,27 @@ def plot(c: Comparison, out: Path, sweep_rows: list[dict[str, Any]] | None = Non
     return paths
 
 
+def goodput_svg(c: Comparison) -> str:
+    """Useful optimizer steps/s of every group together, per 10 simulated minutes, one line per regime, and the
+    fault-free ideal's average over the run (it still loses the power-saving window) dashed."""
+    series = []
+    for name, o in c.outcomes.items():
+        label, color = REGIME_STYLE.get(name, (name, "#000000"))
+        series.append(Series(label, color, rates(o.timeline)))
+    if c.ideal_goodput_steps_per_s is not None:
+        ideal = c.ideal_goodput_steps_per_s
+        series.append(
+            Series("fault-free (run average)", "#2ca02c", [(0.0, ideal), (c.scenario.duration_h, ideal)], True)
+        )
+    return line_chart(
+        f"{c.scenario.name}: goodput over time", "simulated hours", "useful optimizer steps/s (all groups)", series
+    )
+
+
 def write_report(c: Comparison, out: Path, sweep_rows: list[dict[str, Any]] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    plots = plot(c, out, sweep_rows)
+    (out / GOODPUT_SVG).write_text(goodput_svg(c), encoding="utf-8")
+    plots = {"goodput over time": str(out / GOODPUT_SVG), **plot(c, out, sweep_rows)}
     path = out / "report.md"
     path.write_text(markdown(c, plots, sweep_rows))
     return path

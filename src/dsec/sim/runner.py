@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,9 +115,17 @@ class Comparison:
         }
 
 
-def simulate(sc: Scenario, regimes: tuple[str, ...] = REGIMES, policies: PolicySet | None = None) -> Comparison:
+def simulate(
+    sc: Scenario,
+    regimes: tuple[str, ...] = REGIMES,
+    policies: PolicySet | None = None,
+    on_progress: Callable[[float, float], None] | None = None,
+) -> Comparison:
     """Every regime on the same hidden truth and the same fault trace. The tuned baseline's checkpoint interval is
-    Young/Daly for the failure rate the naive baseline measured (unless the scenario fixes it)."""
+    Young/Daly for the failure rate the naive baseline measured (unless the scenario fixes it).
+
+    ``on_progress(done, total)``: simulated hours done over all regimes (the regimes run one after the other, each
+    over the whole horizon), reported every 10 simulated minutes."""
     layout = layout_of(sc)
     truth = truth_of(sc, np.random.default_rng([sc.seed, 1]))
     trace = generate(sc, layout, truth)
@@ -124,9 +133,16 @@ def simulate(sc: Scenario, regimes: tuple[str, ...] = REGIMES, policies: PolicyS
         policies = scenario_policies(sc)
     outcomes: dict[str, Outcome] = {}
     interval = sc.baseline.checkpoint_interval_s
-    for name in sorted(regimes, key=("baseline", "tuned", "dsec").index):
+    order = sorted(regimes, key=("baseline", "tuned", "dsec").index)
+    total_h = sc.duration_h * len(order)
+    for i, name in enumerate(order):
         sim = Simulation(sc, make_regime(name, sc, policies, interval), trace=trace, truth=truth)
-        outcome = sim.run()
+
+        def ticked(k: int, ticks: int, before: float = i * sc.duration_h) -> None:
+            if on_progress is not None:
+                on_progress(before + sc.duration_h * k / ticks, total_h)
+
+        outcome = sim.run(ticked)
         outcome.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         outcomes[name] = outcome
         if name == "baseline":

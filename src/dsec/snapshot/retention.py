@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zstandard
@@ -69,13 +70,24 @@ def collect_garbage(
     return {"manifests_removed": dropped, "chunks_removed": chunks_removed}
 
 
-def compact(store: SnapshotStore, worker: str, seq: int, zstd_level: int = 3) -> int:
+def compact(
+    store: SnapshotStore,
+    worker: str,
+    seq: int,
+    zstd_level: int = 3,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Write snapshot ``worker/seq`` again as a self-contained base (one manifest, full chunks), so restoring it
-    reads no chain. Returns the new snapshot's number; the old chain stays until retention drops it."""
+    reads no chain. Returns the new snapshot's number; the old chain stays until retention drops it.
+
+    ``on_progress(tensors written, tensors)``: once the chain is read and verified, then after every tensor."""
     loaded = load(store, worker, seq)
     cctx = zstandard.ZstdCompressor(level=zstd_level)
     entries: dict[str, dict[str, Any]] = {}
     stored = 0
+    total = len(loaded.manifest["tensors"])
+    if on_progress is not None:
+        on_progress(0, total)
     for name, entry in loaded.manifest["tensors"].items():
         data = cctx.compress(loaded.encoded[name].tobytes())
         chunk_id = codec.digest(data)
@@ -83,6 +95,8 @@ def compact(store: SnapshotStore, worker: str, seq: int, zstd_level: int = 3) ->
             store.put_chunk(chunk_id, data)
         entries[name] = {**entry, "delta": False, "from_parent": False, "chunk": chunk_id, "stored": len(data)}
         stored += len(data)
+        if on_progress is not None:
+            on_progress(len(entries), total)
     existing = store.manifests(worker)
     new_seq = existing[-1] + 1 if existing else seq + 1
     body = {

@@ -5,10 +5,12 @@ few dozen workers in well under a few seconds."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -352,6 +354,13 @@ def test_report_writes_markdown_and_plots(tmp_path: Path) -> None:
     pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
     assert pngs == ["hours_lost.png", "progress.png"]
     assert all((tmp_path / "r" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    # Goodput over time, one line per regime (and the fault-free average), drawn without matplotlib.
+    svg = ElementTree.parse(tmp_path / "r" / "goodput.svg").getroot()
+    assert svg.tag == "{http://www.w3.org/2000/svg}svg" and "![goodput over time](goodput.svg)" in text
+    lines = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 4 and all(len(pl.get("points", "").split()) >= 2 for pl in lines)
+    labels = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert {"naive baseline", "tuned baseline", "DSec", "simulated hours"} <= set(labels)
 
 
 def test_cli_prints_a_last_line_json_and_refuses_a_bad_scenario(tmp_path: Path) -> None:
@@ -359,14 +368,20 @@ def test_cli_prints_a_last_line_json_and_refuses_a_bad_scenario(tmp_path: Path) 
     f.write_text("name: cli\nduration_h: 0.3\ncluster: {nodes: 1, gpus_per_node: 4, workers_per_gpu: 2}\n"
                  "groups: {count: 1, actors: 4}\n")  # fmt: skip
     dsec = [sys.executable, "-m", "dsec.cli"]
+    env = {**os.environ, "DSEC_HOME": str(tmp_path / "home")}
     done = subprocess.run(
         [*dsec, "simulate", str(f), "--json", "--report", str(tmp_path / "rep")],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["scenario"] == "cli" and last["workers"] == 5
     assert (tmp_path / "rep" / "report.md").exists()
+    # The plots are published where the dashboard reads them: $DSEC_HOME/plots, with an index of the run.
+    index = json.loads((tmp_path / "home" / "plots" / "plots.json").read_text())
+    assert index["scenario"] == "cli" and "goodput.svg" in index["plots"]
+    assert (tmp_path / "home" / "plots" / "goodput.svg").read_bytes() == (tmp_path / "rep" / "goodput.svg").read_bytes()
+    assert f"plots for the dashboard: {tmp_path / 'home' / 'plots'}" in " ".join(done.stdout.split())
     f.write_text("name: cli\nduration_h: -1\n")
     bad = subprocess.run([*dsec, "simulate", str(f)], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2
