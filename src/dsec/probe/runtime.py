@@ -210,7 +210,7 @@ class Probe:
         if now - self._last_anomaly.get(kind, -1e9) < self.config.reporter.heartbeat_interval_s:
             return
         self._last_anomaly[kind] = now
-        self.event("anomaly", urgent=True, kind=kind, **data)
+        self.event("anomaly", urgent=True, **{**data, "kind": kind})  # a field named kind in data must not crash it
 
     def interrupt_reason(self, observed: str | None) -> str | None:
         """Why the episode that just ended counts as interrupted (an info key, or injected), or None."""

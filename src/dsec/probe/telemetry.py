@@ -111,7 +111,7 @@ class Telemetry:
             self.collective_bytes_total += nbytes
             self._collective_lat.add(latency_s)
         if not ok:
-            self._anomaly("collective_error", {"kind": kind})
+            self._anomaly("collective_error", {"op": kind})
 
     def record_update(self, step_s: float, grad_norm: float | None) -> None:
         with self._lock:
