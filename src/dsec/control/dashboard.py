@@ -15,6 +15,7 @@ These routes are not part of the API contract (``include_in_schema=False``): the
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 
 from fastapi import APIRouter, Request
@@ -65,7 +66,7 @@ def dashboard_routes() -> APIRouter:
     @r.get("/dashboard/plots")
     async def plot_index(request: Request, authorization: Auth = None) -> Response:
         cp_of(request).require_read(bearer(authorization))
-        listing = plots.latest(request.app.state.settings.plots)
+        listing = await asyncio.to_thread(plots.latest, request.app.state.settings.plots)  # disk: off the loop
         return JSON(listing, headers={"Cache-Control": "no-cache"})
 
     @r.get("/dashboard/plots/{name:path}")
@@ -73,7 +74,7 @@ def dashboard_routes() -> APIRouter:
         cp_of(request).require_read(bearer(authorization))
         if "/" in name or "\\" in name or ".." in name:
             raise errors.ApiError(400, "invalid", f"name {name!r} is invalid: a plot is named, not a path", "name")
-        found = plots.read(request.app.state.settings.plots, name)
+        found = await asyncio.to_thread(plots.read, request.app.state.settings.plots, name)
         if found is None:
             known = ", ".join(plots.PLOTS)
             why = f"name {name!r}: no such plot published (plots: {known}; `dsec simulate` publishes them)"
