@@ -2,9 +2,9 @@
 127.0.0.1) under `dsec run` against a real control plane.
 
 - the ranks' periodic snapshots are group snapshots: every rank holds the same steps;
-- a group restarted from snapshots taken at *different* steps restores the newest step every rank holds intact
-  (here: one rank's newer snapshot is damaged) and ends with bit-identical parameters;
-- ranks that share no step restore nothing, and say why;
+- a group restarted from snapshots taken at *different* steps restores the newest step that verifies on some rank
+  (ranks without it receive a verified copy) and ends with bit-identical parameters; ranks that all hold it intact
+  restore their own; nothing that verifies anywhere: nothing restored, and the event says why;
 - a rank whose weights leave the group's is reported (``replica_drift`` anomaly, critical alert) by the drift check.
 """
 
@@ -132,41 +132,102 @@ def _write_snapshots(snapdir: Path, worker: str, rank: int, steps: list[int]) ->
     return seqs
 
 
-def test_restore_takes_the_newest_step_every_rank_holds_intact(
-    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
-) -> None:
-    snapdir = tmp_path / "snaps"
-    _write_snapshots(snapdir, "default-learner-0", 0, [10, 20, 30])
-    seqs1 = _write_snapshots(snapdir, "default-learner-1", 1, [10, 20, 25])
-    # Rank 1's step-20 snapshot is damaged: its RNG chunk (its own: the state differs per rank) gets one bit flipped.
+def _damage(snapdir: Path, worker: str, seq: int) -> None:
+    """Flip one bit in the snapshot's RNG chunk (its own: the state differs per rank and step)."""
     store = LocalDirStore(snapdir)
-    chunk = read_manifest(store, "default-learner-1", seqs1[20])["tensors"]["rng/torch"]["chunk"]
+    chunk = read_manifest(store, worker, seq)["tensors"]["rng/torch"]["chunk"]
     path = snapdir / "chunks" / chunk[:2] / chunk
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
 
+
+def _restores(cp: Harness) -> dict[int, dict[str, Any]]:
+    """The restore event of each rank, by rank."""
+    return {int(e["data"]["rank"]): e["data"] for e in _events(cp, "restore")}
+
+
+def test_ranks_holding_the_same_newest_step_each_restore_their_own(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    snapdir = tmp_path / "snaps"
+    _write_snapshots(snapdir, "default-learner-0", 0, [10, 20])
+    _write_snapshots(snapdir, "default-learner-1", 1, [10, 20])
     result = _run(server, jobs, tmp_path, world=2, steps=5, snapdir=snapdir, restore=True)
-    # Each rank's newest (30 and 25) would differ; 20 is damaged on rank 1; 10 is the newest good common step.
     assert result["max_param_diff"] == 0.0 and result["finite"]
-    restores = [e["data"] for e in _events(server, "restore")]
-    assert sorted(d["status"] for d in restores) == ["ok", "ok"], restores
-    assert {d["agreed_step"] for d in restores} == {10} and {d["step"] for d in restores} == {10}
+    restores = _restores(server)
+    assert sorted(restores) == [0, 1] and {d["status"] for d in restores.values()} == {"ok"}, restores
+    assert {d["agreed_step"] for d in restores.values()} == {20}
+    assert not any("source_rank" in d for d in restores.values())  # nothing travelled: each had it intact
+
+
+def test_the_newest_step_that_verifies_anywhere_is_shipped_to_the_ranks_without_it(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    snapdir = tmp_path / "snaps"
+    seqs0 = _write_snapshots(snapdir, "default-learner-0", 0, [10, 20, 30])
+    _write_snapshots(snapdir, "default-learner-1", 1, [10, 20, 25])
+    _damage(snapdir, "default-learner-0", seqs0[30])
+
+    result = _run(server, jobs, tmp_path, world=2, steps=5, snapdir=snapdir, restore=True)
+    # 30 (rank 0 only) is damaged; 25 is held by rank 1 only and verifies: rank 1 sends it to rank 0, and both
+    # resume at step 25 with identical parameters — not at 20, the newest step both hold intact.
+    assert result["max_param_diff"] == 0.0 and result["finite"]
+    restores = _restores(server)
+    assert sorted(restores) == [0, 1] and {d["status"] for d in restores.values()} == {"ok"}, restores
+    assert {d["agreed_step"] for d in restores.values()} == {25} and {d["step"] for d in restores.values()} == {25}
+    assert {d["source_rank"] for d in restores.values()} == {1}
+    assert restores[0]["shipped_bytes"] > 0
+    skipped = [e["data"] for e in _events(server, "snapshot") if e["data"].get("status") == "skipped"]
+    assert [d["id"] for d in skipped] == [f"default-learner-0/{seqs0[30]}"]
+
+
+def test_a_step_damaged_on_one_rank_is_shipped_from_a_rank_that_holds_it_intact(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    snapdir = tmp_path / "snaps"
+    _write_snapshots(snapdir, "default-learner-0", 0, [10, 20])
+    seqs1 = _write_snapshots(snapdir, "default-learner-1", 1, [10, 20])
+    _damage(snapdir, "default-learner-1", seqs1[20])
+    result = _run(server, jobs, tmp_path, world=2, steps=3, snapdir=snapdir, restore=True)
+    assert result["max_param_diff"] == 0.0 and result["finite"]
+    restores = _restores(server)
+    assert {d["status"] for d in restores.values()} == {"ok"}, restores
+    assert {d["agreed_step"] for d in restores.values()} == {20} and {d["source_rank"] for d in restores.values()} == {
+        0
+    }
     skipped = [e["data"] for e in _events(server, "snapshot") if e["data"].get("status") == "skipped"]
     assert [d["id"] for d in skipped] == [f"default-learner-1/{seqs1[20]}"]
 
 
-def test_ranks_without_a_common_step_restore_nothing_and_say_why(
+def test_survivors_far_ahead_of_a_dead_rank_bring_it_to_their_step(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """Healing that fails late: the survivor trained and snapshotted long after the dead rank's last snapshot, and
+    retention dropped every step both held. The group restarts at the survivor's newest step, not from scratch."""
+    snapdir = tmp_path / "snaps"
+    _write_snapshots(snapdir, "default-learner-0", 0, [9153, 9277])
+    _write_snapshots(snapdir, "default-learner-1", 1, [1205, 1472])
+    result = _run(server, jobs, tmp_path, world=2, steps=3, snapdir=snapdir, restore=True)
+    assert result["max_param_diff"] == 0.0 and result["finite"]
+    restores = _restores(server)
+    assert {d["status"] for d in restores.values()} == {"ok"}, restores
+    assert {d["agreed_step"] for d in restores.values()} == {9277} and {
+        d["source_rank"] for d in restores.values()
+    } == {0}
+
+
+def test_a_group_with_no_snapshot_that_verifies_restores_nothing_and_says_why(
     server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     snapdir = tmp_path / "snaps"
-    _write_snapshots(snapdir, "default-learner-0", 0, [10])
-    _write_snapshots(snapdir, "default-learner-1", 1, [20])
+    seqs = _write_snapshots(snapdir, "default-learner-0", 0, [10])
+    _damage(snapdir, "default-learner-0", seqs[10])
     result = _run(server, jobs, tmp_path, world=2, steps=3, snapdir=snapdir, restore=True)
     assert result["max_param_diff"] == 0.0
-    restores = [e["data"] for e in _events(server, "restore")]
-    assert [d["status"] for d in restores] == ["none", "none"], restores
-    assert all("share no step" in d["message"] for d in restores)
+    restores = _restores(server)
+    assert [d["status"] for d in restores.values()] == ["none", "none"], restores
+    assert all("no step verifies" in d["message"] and "step 10" in d["message"] for d in restores.values())
 
 
 def test_a_rank_that_drifts_is_reported(server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:

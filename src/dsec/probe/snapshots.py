@@ -11,10 +11,10 @@ the snapshot's ``step`` (optimizer steps of the run, continued across restores) 
 **Ranks of a DDP group snapshot and restore together.** Their snapshots are *group snapshots*: a rank whose period
 is due (or that was asked for one) says so in the sync header, and every rank snapshots right after the same
 optimizer step (probe/replicas.py), so the ranks' snapshots share steps. A restore is agreed when the DDP wrapper is
-built (every rank builds it at the same point of the script): the ranks exchange the steps their snapshots hold,
-try the newest step every rank has, and restore it only if every rank's snapshot of that step verifies — else the
-next common step. No common verified step: nothing is restored anywhere and a ``restore`` event with status
-``none`` says why. Replicas never resume at different steps.
+built (every rank builds it at the same point of the script): the ranks restore the newest step that verifies on
+some rank, the ranks that lack it receiving a verified copy from one that has it (probe/agreed_restore.py).
+Nothing verifies anywhere: nothing is restored and a ``restore`` event with status ``none`` says why. Replicas
+never resume at different steps.
 
 Environment: DSEC_SNAPSHOT_DIR (off when unset), DSEC_RESTORE (latest | N), DSEC_SNAPSHOT_NAME (default
 ``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots),
@@ -30,11 +30,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dsec.probe.runtime import Probe
     from dsec.snapshot import Snapshotter
-    from dsec.snapshot.reader import Loaded
 
 log = logging.getLogger(__name__)
-
-MAX_AGREE_TRIES = 8  # common steps tried (newest first) before a group gives up restoring
 
 
 class ProbeSnapshots:
@@ -197,53 +194,26 @@ class ProbeSnapshots:
         self.probe.replicas.force_check()
 
     def _agreed_restore(self, pg: Any) -> bool:
-        """Restore the newest step for which every rank of ``pg`` holds a snapshot that verifies (all ranks call it
-        at the same point: the DDP wrapper's construction). Exchanges go through torch.distributed's own object
-        collectives on the DDP process group, before any training step."""
-        import torch.distributed as dist
-
-        from dsec.snapshot.manifest import CorruptSnapshot
+        """Restore the step the ranks of ``pg`` agree on (probe/agreed_restore.py); all ranks call it at the same
+        point, the DDP wrapper's construction, before any training step."""
+        from dsec.probe.agreed_restore import agree
 
         request, self.restore_request = self.restore_request, None
         snap = self.snapshotter
         if snap is None:
             return False
         at_most = None if request == "latest" else int(str(request))
-        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-        mine = [(seq, step) for seq, step in snap.manifest_steps() if at_most is None or seq <= at_most]
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, sorted({step for _, step in mine}, reverse=True), group=pg)
-        common = sorted(set.intersection(*(set(steps) for steps in everyone)), reverse=True)
-        skipped: list[tuple[int, str]] = []
-        refused: dict[int, list[int]] = {}
-        for step in common[:MAX_AGREE_TRIES]:
-            loaded: Loaded | None = None
-            for seq in (seq for seq, st in mine if st == step):
-                try:
-                    loaded = snap.load(seq)
-                    break
-                except CorruptSnapshot as exc:
-                    skipped.append((seq, str(exc)))
-                    self._event("snapshot_skipped", {"id": f"{snap.worker}/{seq}", "reason": str(exc)})
-            oks: list[Any] = [None] * world
-            dist.all_gather_object(oks, loaded is not None, group=pg)
-            if loaded is not None and all(oks):
-                note = {"agreed_step": step, "group_ranks": world, "rank": rank}
-                report = snap.restore(loaded, skipped, note=note)
-                self._restored({**report.as_event(snap.worker), **note}, report.step)
-                return True
-            refused[step] = [r for r, ok in enumerate(oks) if not ok]
-        if not any(everyone):
-            message = f"no snapshot in {self.root} for any rank of the group"
-        elif not common:
-            held = {str(r): steps[:5] for r, steps in enumerate(everyone)}
-            message = f"the ranks' snapshots share no step (newest steps per rank: {held}); nothing restored"
-        else:
-            message = "no common step verifies on every rank: " + "; ".join(
-                f"step {s}: rank(s) {r} damaged" for s, r in refused.items()
-            )
-        self.probe.event("restore", urgent=True, status="none", message=message, group_ranks=world, rank=rank)
-        return False
+
+        def skipped(seq: int, reason: str) -> None:
+            self._event("snapshot_skipped", {"id": f"{snap.worker}/{seq}", "reason": reason})
+
+        outcome = agree(snap, pg, at_most, skipped, self.root)
+        if outcome.loaded is None:
+            self.probe.event("restore", urgent=True, status="none", message=outcome.message, **outcome.note)
+            return False
+        report = snap.restore(outcome.loaded, outcome.skipped, note=outcome.note)
+        self._restored({**report.as_event(snap.worker), **outcome.note}, report.step)
+        return True
 
     def _event(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "restore":

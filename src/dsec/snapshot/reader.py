@@ -63,11 +63,11 @@ def read_manifest(store: SnapshotStore, worker: str, seq: int) -> dict[str, Any]
         raise CorruptSnapshot(str(exc)) from None
     if m.get("worker") != worker or m.get("seq") != seq:
         raise CorruptSnapshot(f"snapshot {worker}/{seq}: manifest names {m.get('worker')}/{m.get('seq')}")
-    _check_tensors(m, f"snapshot {worker}/{seq}")
+    check_tensors(m, f"snapshot {worker}/{seq}")
     return m
 
 
-def _check_tensors(m: dict[str, Any], where: str) -> None:
+def check_tensors(m: dict[str, Any], where: str) -> None:
     """The tensor table holds what the codec can decode: known dtypes and encodings, shapes of non-negative ints.
     The checksum proves a manifest is intact, not that whoever sealed it was DSec (snapshot/manifest.py)."""
     tensors = m.get("tensors")
