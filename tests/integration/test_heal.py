@@ -309,13 +309,23 @@ def test_ranks_whose_scripts_diverge_stop_instead_of_hanging(
     # the replacement (its count started at zero) goes on — their collectives no longer pair. Without detection
     # they would wait for each other forever (one collective timeout after another); healing sees members at the
     # same point blocked in different collectives, stops them, and the group falls back to its agreed snapshots.
-    job = job_file(tmp_path, extra=("--local-limit", "90"))
+    # The limit applies once the gate file exists, opened after the replacement's admission: on a loaded machine the
+    # survivors could otherwise reach it before the replacement has even started, and leave without diverging.
+    gate = tmp_path / "gate"
+    job = job_file(tmp_path, extra=("--local-limit", "90", "--local-limit-gate", str(gate)))
     job.groups[0].env["DSEC_HEAL_TIMEOUT_S"] = "3"
     recoveries: list[Recovery] = []
     sup, launcher = supervised(job, recoveries)
     sup.start()
     supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
     os.kill(launcher.pids("trainers")["trainers-1"], signal.SIGKILL)
+    supervise_until(
+        sup,
+        lambda: [e for e in cp.admin.all_events(types=["heal"]) if e["data"].get("reason") == "admission"],
+        120,
+        "the replacement's admission",
+    )
+    gate.touch()
     supervise_until(sup, lambda: any(r.mode == "restart" for r in recoveries), 180, "the fallback restart")
     logs = [e["data"] for e in cp.admin.all_events(types=["log"]) if e["data"].get("kind") == "heal"]
     assert any(d["what"] == "diverged" for d in logs), [d["what"] for d in logs]
