@@ -1,13 +1,15 @@
-"""What every route module shares: the Authorization header, path parameters and the app's ControlPlane."""
+"""What every route module shares: the Authorization header, path parameters, the app's ControlPlane and the routers
+of the admin API."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Depends, Header, Path, Request
+from fastapi import APIRouter, Depends, Header, Path, Request
 from fastapi.params import Depends as DependsParam
 
 from dsec.control.auth import bearer
+from dsec.control.errors import documented
 from dsec.control.schemas import NAME_PATTERN
 
 if TYPE_CHECKING:
@@ -31,3 +33,12 @@ async def require_admin(request: Request, authorization: Auth = None) -> None:
 
 # ``APIRouter(dependencies=ADMIN_ONLY)``: the check belongs to the router, so a route added to it cannot forget it.
 ADMIN_ONLY: list[DependsParam] = [Depends(require_admin)]
+
+
+def admin_api_routers() -> tuple[APIRouter, APIRouter]:
+    """The two routers of an admin API module: the first for its read routes (each checks an admin or read token
+    itself), the second for its admin routes. Include the second in the first once every route is declared."""
+    r = APIRouter(prefix="/v1", tags=["admin"], responses=documented(401, 403, 429))  # read routes: admin or read token
+    # admin token checked before anything else; every admin route writes to (or reads) the store: 503 when it fails
+    admin = APIRouter(dependencies=ADMIN_ONLY, responses=documented(503))
+    return r, admin

@@ -1,5 +1,5 @@
 """The control plane's composition root: builds its parts, loads the startup state, and exposes the operations
-the HTTP routes (``app.py``) and tests call. Routes are thin adapters over this class.
+the HTTP routes (``*_routes.py``, wired by ``app.py``) and tests call. Routes are thin adapters over this class.
 
 Parts (each in its own module, each given only what it uses — see ``ports.py``):
 

@@ -27,8 +27,8 @@ import numpy as np
 import zstandard
 
 from dsec.jsonsafe import json_safe as _json_safe
-from dsec.snapshot import codec
-from dsec.snapshot.manifest import CorruptSnapshot, seal
+from dsec.snapshot import codec, writer
+from dsec.snapshot.manifest import CorruptSnapshot
 from dsec.snapshot.reader import Fallback, Loaded, load, load_latest, read_manifest
 from dsec.snapshot.retention import collect_garbage
 from dsec.snapshot.store import SnapshotStore, check_worker
@@ -275,11 +275,7 @@ class Snapshotter:
         kind = "base" if base else "delta"
         mode = self.mode
         items: list[_Item] = []
-        # Parameters and state of registered optimizers change only inside step(), which the gate holds back.
-        gated: set[int] = set()
-        for opt in self._optimizers.values():
-            gated.update(id(p) for g in opt.param_groups for p in g["params"])
-            gated.update(id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        gated = self._gated()
         seen: dict[int, str] = {}
 
         def add(name: str, t: torch.Tensor, bits: int, sqrt: bool = False) -> None:
@@ -331,6 +327,17 @@ class Snapshotter:
         assert base_seq is not None
         return _Job(seq, kind, None if base else self._last_seq, base_seq, step, mode, meta, items, carried, ticket)
 
+    def _gated(self) -> set[int]:
+        """Ids of the tensors the step gate holds: parameters and state of registered optimizers change only inside
+        step(), which the gate holds back."""
+        import torch
+
+        gated: set[int] = set()
+        for opt in self._optimizers.values():
+            gated.update(id(p) for g in opt.param_groups for p in g["params"])
+            gated.update(id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        return gated
+
     # -- background thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
         cctx = zstandard.ZstdCompressor(level=self._zstd_level)
@@ -355,106 +362,26 @@ class Snapshotter:
                 job.ticket.done.set()
 
     def _write(self, job: _Job, cctx: zstandard.ZstdCompressor) -> None:
-        t_stage = time.perf_counter()
-        try:
-            # Only a plain copy while the step gate is closed: one memory pass, faster than quantizing (several
-            # passes), so the next optimizer step waits as little as possible. Quantization reads the copy later.
-            copies = [(item, codec.host_copy(item.tensor) if item.lazy else item.tensor) for item in job.items]
-        finally:
-            job.staged.set()  # the training thread may step again
-        stage_s = time.perf_counter() - t_stage
-        job.items = []  # drop references to live tensors
-        staged = {item.name: codec.stage(t, item.bits, nonneg_sqrt=item.sqrt) for item, t in copies}
-        del copies
-        mode = job.mode
-        delta = job.kind == "delta"
-        entries: dict[str, dict[str, Any]] = {}
-        encoded: dict[str, np.ndarray] = {}
-        full_bytes = stored_bytes = 0
-        for name, st in staged.items():
-            enc = st.encoded()
-            sha = codec.digest(enc)
-            entry: dict[str, Any] = {
-                "dtype": st.dtype,
-                "shape": list(st.shape),
-                "enc": st.enc,
-                "sqrt": st.sqrt,
-                "block": st.q.block if st.q is not None else None,
-                "nbytes": int(enc.nbytes),
-                "sha": sha,
-                "delta": False,
-                "from_parent": False,
-            }
-            full_bytes += int(np.prod(st.shape, dtype=np.int64)) * _itemsize(st.dtype)
-            prev = self._last_encoded.get(name) if delta else None
-            prev_entry = self._last_entries.get(name) if delta else None
-            if prev is not None and prev_entry is not None and prev_entry["sha"] == sha:
-                entry["from_parent"] = True
-            else:
-                can_delta = prev is not None and prev_entry is not None and prev_entry["enc"] == st.enc
-                if can_delta and prev is not None and prev.nbytes == enc.nbytes:
-                    data = cctx.compress(codec.delta(enc, prev, codec.delta_op(st.enc)).tobytes())
-                    entry["delta"] = True
-                    if len(data) > 0.9 * enc.nbytes:
-                        # A delta that barely compresses (raw floats that all moved) costs as much as the full
-                        # bytes but lengthens every restore's chain: store the full bytes when they are smaller.
-                        full = cctx.compress(enc.tobytes())
-                        if len(full) <= len(data):
-                            data, entry["delta"] = full, False
-                else:
-                    data = cctx.compress(enc.tobytes())
-                chunk_id = codec.digest(data)
-                if not self.store.has_chunk(chunk_id):
-                    self.store.put_chunk(chunk_id, data)
-                entry["chunk"] = chunk_id
-                entry["stored"] = len(data)
-                stored_bytes += len(data)
-            entries[name] = entry
-            encoded[name] = enc
-        for name, entry in job.carried.items():
-            entries[name] = {**entry, "delta": False, "from_parent": True, "chunk": None, "stored": 0}
-            encoded[name] = self._last_encoded[name]
-            full_bytes += int(np.prod(entry["shape"], dtype=np.int64)) * _itemsize(entry["dtype"])
-        total_s = time.perf_counter() - job.started
-        stats = {
-            "full_bytes": full_bytes,
-            "stored_bytes": stored_bytes,
-            "blocking_ms": round(job.ticket.blocking_s * 1e3, 3),
-            "stage_ms": round(stage_s * 1e3, 3),
-            "total_ms": round(total_s * 1e3, 3),
-        }
-        body = {
-            "worker": self.worker,
-            "seq": job.seq,
-            "kind": job.kind,
-            "parent": job.parent,
-            "base": job.base,
-            "created": time.time(),
-            "step": job.step,
-            "mode": {**mode.as_dict(), "lossless": mode.lossless},
-            "requests": job.ticket.requests,
-            "tensors": entries,
-            "meta": job.meta,
-            "stats": stats,
-        }
-        manifest = seal(body)
-        while True:
-            try:
-                self.store.put_manifest(self.worker, job.seq, manifest)
-                break
-            except FileExistsError:
-                # Another writer (a previous incarnation, a compaction) took this number: use the next one.
-                job.seq = self._next_seq
-                self._next_seq += 1
-                if job.kind == "base":
-                    job.base = job.seq
-                body.update(seq=job.seq, base=job.base)
-                manifest = seal(body)
+        """Stage, encode and store the job's tensors, publish its manifest, then make it the next delta's reference
+        (writer.py)."""
+        staged, stage_s = writer.stage(job)
+        out = writer.encode(job, staged, self._last_encoded, self._last_entries, self.store, cctx)
+        stats = writer.stats(job, out, stage_s)
+        body = writer.manifest_body(self.worker, job, out.entries, stats)
+        writer.publish(self.store, self.worker, job, body, self._take_seq)
+        self._published(job, out, stats)
+
+    def _take_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def _published(self, job: _Job, out: writer.Encoded, stats: dict[str, Any]) -> None:
         with self._lock:
             self._last_seq = job.seq
             self._last_base = job.base
-            self._last_encoded = encoded
-            self._last_entries = entries
+            self._last_encoded = out.encoded
+            self._last_entries = out.entries
             self._last_meta = job.meta
             self._since_base = 0 if job.kind == "base" else self._since_base + 1
         job.ticket.seq = job.seq
@@ -463,8 +390,8 @@ class Snapshotter:
             "id": f"{self.worker}/{job.seq}",
             "kind": job.kind,
             "step": job.step,
-            "mode": mode.name,
-            "bytes": stored_bytes,
+            "mode": job.mode.name,
+            "bytes": out.stored_bytes,
             **job.ticket.stats,
         }
         if job.ticket.requests:
@@ -649,12 +576,6 @@ class Snapshotter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return int(torch.empty(0, dtype=codec.torch_dtype(dtype)).element_size())
 
 
 def _rng_state() -> dict[str, Any]:

@@ -1,0 +1,166 @@
+"""Bodies and answers of the worker protocol: registration, a heartbeat (metrics, events, the inferred role) and a
+node agent's batch of heartbeats."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic.json_schema import WithJsonSchema
+
+from dsec import telemetry
+from dsec.control.schemas.fields import EVENT_DATA_RULES, Float, Int, MetricName, Name, Strict, _event_data
+from dsec.model import MAX_MEMORY_GB, WORKER_EVENT_TYPES, EventType, Role
+
+MAX_METRICS = 512
+MAX_EVENTS_PER_BEAT = 256
+# A restore slower than an hour is not a snapshot restore; a larger figure is a bug or a lie, and the pool's
+# recovery time (which policies act on) is made of these.
+MAX_RESTORE_S = 3600.0
+# Well-known worker metrics that feed pool gauges, with the range a real worker reports them in.
+GAUGE_INPUTS = {
+    telemetry.MEMORY_USED_GB.name: (0.0, MAX_MEMORY_GB),
+    telemetry.SYNC_OPS_TOTAL.name: (0.0, 2.0**53),
+    telemetry.SYNC_OK_TOTAL.name: (0.0, 2.0**53),
+}
+
+
+class RegisterRequest(Strict):
+    pool: Name
+    role: Role = Role.OTHER
+    group: Name = "default"
+    rank: Int = Field(0, ge=0, le=10_000_000)
+    host: str = Field("", max_length=255)
+    pid: Int = Field(0, ge=0, le=2**31)
+    device: Name | None = None
+    heartbeat_interval_s: Float = Field(5.0, ge=0.05, le=3600)
+
+
+# The schema lists what a worker may send; the validator below names the rest (decided by the control plane) in its 422.
+WorkerEventType = Annotated[
+    EventType,
+    WithJsonSchema(
+        {"type": "string", "enum": sorted(t.value for t in WORKER_EVENT_TYPES), "description": "worker-sent types"}
+    ),
+]
+
+
+class EventIn(Strict):
+    type: WorkerEventType
+    ts: Float | None = Field(None, ge=0, description="worker clock (unix seconds); server time if absent")
+    data: dict[str, Any] = Field(default_factory=dict, description=EVENT_DATA_RULES)
+
+    @field_validator("type")
+    @classmethod
+    def _worker_type(cls, v: EventType) -> EventType:
+        if v not in WORKER_EVENT_TYPES:
+            allowed = sorted(t.value for t in WORKER_EVENT_TYPES)
+            raise ValueError(f"event type {v.value!r} is decided by the control plane; workers may send {allowed}")
+        return v
+
+    @field_validator("data")
+    @classmethod
+    def _data_ok(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("type") is EventType.RESTORE and "restore_s" in v:  # type is validated first
+            value = v["restore_s"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_RESTORE_S:
+                raise ValueError(
+                    f"restore_s={value!r} is invalid: expected seconds, a number in [0, {MAX_RESTORE_S:g}]"
+                )
+        return _event_data(v)
+
+
+class InferredRole(Strict):
+    """The role the probe inferred from what the process does (it registered without an explicit role)."""
+
+    role: Role
+    evidence: dict[str, Any] = Field(
+        default_factory=dict, description=f"what the role was inferred from (counts); {EVENT_DATA_RULES}"
+    )
+
+    @field_validator("evidence")
+    @classmethod
+    def _evidence_ok(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _event_data(v)
+
+
+class HeartbeatRequest(Strict):
+    seq: Int = Field(..., ge=1, le=2**62, description="strictly increasing per worker; a retry repeats it")
+    acked_directive_version: Int = Field(0, ge=0, le=2**31)
+    metrics: dict[MetricName, Annotated[float, Field(allow_inf_nan=False, strict=True)]] = Field(
+        default_factory=dict, max_length=MAX_METRICS
+    )
+    events: list[EventIn] = Field(default_factory=list, max_length=MAX_EVENTS_PER_BEAT)
+    inferred_role: InferredRole | None = Field(
+        None,
+        description="sent once when the probe has inferred the worker's role; when it differs from the recorded role "
+        "the record takes it and a role_inferred event (from, to, evidence) is committed with the beat",
+    )
+
+    @field_validator("metrics")
+    @classmethod
+    def _gauge_inputs(cls, v: dict[str, float]) -> dict[str, float]:
+        """The metrics pool-wide gauges (and so policies) are computed from must be plausible: one worker's absurd
+        figure would otherwise move its whole pool's utilization or sync success rate."""
+        for name, (lo, hi) in GAUGE_INPUTS.items():
+            if name in v and not lo <= v[name] <= hi:
+                raise ValueError(f"{name}={v[name]!r} is out of range: expected a number in [{lo:g}, {hi:g}]")
+        ok, ops = v.get(telemetry.SYNC_OK_TOTAL.name), v.get(telemetry.SYNC_OPS_TOTAL.name)
+        if ok is not None and ops is not None and ok > ops:
+            raise ValueError(f"sync_ok_total={ok:g} exceeds sync_ops_total={ops:g} (successful syncs are a subset)")
+        return v
+
+
+# POST /v1/heartbeats: how many workers' beats one request may carry (each item about 0.5 KiB with ~8 metrics, so a
+# full batch stays well inside max_body_bytes' default 1 MiB).
+MAX_BATCH_ITEMS = 1000
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,64}$"
+
+
+class HeartbeatItem(HeartbeatRequest):
+    """One worker's beat in ``POST /v1/heartbeats``: exactly the single-beat body plus whose beat it is and that
+    worker's own token (each item is authenticated by its own token; docs/protocol.md says why)."""
+
+    worker_id: str = Field(..., pattern=WORKER_ID_PATTERN)
+    token: str = Field(..., min_length=1, max_length=256, description="the worker's own token (dsw_...)")
+
+
+ITEM_RULES = (
+    "a HeartbeatItem (#/components/schemas/HeartbeatItem); each item is checked on its own — its token first, then "
+    "its fields — so an item that is not one gets its own error in the answer and the others are applied"
+)
+
+
+class HeartbeatBatch(Strict):
+    """Body of ``POST /v1/heartbeats``: many workers' beats, answered item by item in the same order."""
+
+    items: list[Annotated[Any, Field(description=ITEM_RULES)]] = Field(..., max_length=MAX_BATCH_ITEMS)
+
+
+class BeatAnswer(BaseModel):
+    """A heartbeat's answer (the single-beat route's 200 body; with ``status`` 200 as an item of a batch answer)."""
+
+    status: int = Field(200, description="in a batch answer: 200 (applied, or a duplicate)")
+    seq: int
+    duplicate: bool
+    server_time: float
+    directive: dict[str, Any] | None = Field(..., description="the full desired directive when the acked differs")
+    latency_cap_ms: float | None = None
+
+
+class BeatItemError(BaseModel):
+    """A batch item that was not applied: the single-beat route's error body for it, its HTTP status and its index;
+    ``field`` is relative to the item, as the single-beat route names it."""
+
+    status: int = Field(..., description="401, 403, 404, 409, 422, 429 or 503, as the single-beat route answers")
+    index: int = Field(..., description="the item's position in the request, from 0")
+    error: str
+    message: str
+    field: str | None
+    details: list[dict[str, Any]]
+
+
+class HeartbeatBatchAnswer(BaseModel):
+    """One result per item, in the request's order."""
+
+    items: list[BeatAnswer | BeatItemError]
