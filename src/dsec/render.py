@@ -5,24 +5,26 @@ wide as their longest id, so that when a table is too wide for the terminal rich
 first; and they fold (``overflow="fold"``) rather than end in an ellipsis, so that on a very narrow terminal an id
 wraps onto the next line but every character of it is printed. Text that comes from outside (ids, names, event
 data, error messages) is passed as :class:`rich.text.Text`, so brackets in it are never read as markup.
+
+How a listing is laid out is in :mod:`dsec.render_table`; the cost listing in :mod:`dsec.render_cost` (its names
+are importable from here).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from rich.cells import cell_len
-from rich.console import Console, JustifyMethod, OverflowMethod, RenderableType
-from rich.measure import Measurement
+from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from dsec import telemetry
-
-Record = Mapping[str, Any]
+from dsec.render_cost import cost_rows as cost_rows
+from dsec.render_cost import cost_summary as cost_summary
+from dsec.render_cost import cost_table as cost_table
+from dsec.render_table import Record, _Col, _mib, _table
 
 STATE_STYLE = {"active": "green", "lost": "bold red", "deregistered": "dim"}
 
@@ -38,57 +40,6 @@ _METRIC_COLUMNS: tuple[tuple[str, tuple[telemetry.Metric, ...]], ...] = (
     ("return", (telemetry.EPISODE_RETURN_MEAN,)),
     ("mem GB", (telemetry.MEMORY_USED_GB,)),
 )
-
-
-@dataclass(frozen=True)
-class _Col:
-    """One column of a listing: its header, how a record fills it, and in which views it appears."""
-
-    header: str
-    cell: Callable[[Record], RenderableType]
-    justify: JustifyMethod = "left"
-    ident: bool = False  # an id or name people copy: as wide as the longest, folded, never cut
-    overflow: OverflowMethod = "ellipsis"
-    default: bool = True  # in the default (narrow) view; every column is in the wide view
-    drop: int = 0  # > 0: the default view leaves it out when the terminal is too narrow, highest first
-
-
-def _cell_len(cell: RenderableType) -> int:
-    return cell.cell_len if isinstance(cell, Text) else Text.from_markup(cell).cell_len if isinstance(cell, str) else 0
-
-
-def _table(
-    title: str | None, cols: Sequence[_Col], records: Sequence[Record], wide: bool, width: int | None = None
-) -> Table:
-    """The wide view has every column; the default view its ``default`` ones, less those marked ``drop`` (highest
-    first) while the table is wider than ``width``."""
-    shown = [c for c in cols if wide or c.default]
-    table = _build(title, shown, records)
-    droppable = sorted((c for c in shown if c.drop), key=lambda c: -c.drop)
-    while not wide and width is not None and droppable and _natural_width(table) > width:
-        shown.remove(droppable.pop(0))
-        table = _build(title, shown, records)
-    return table
-
-
-def _build(title: str | None, shown: Sequence[_Col], records: Sequence[Record]) -> Table:
-    rows = [[c.cell(r) for c in shown] for r in records]
-    t = Table(title=title, expand=False)
-    for i, c in enumerate(shown):
-        if c.ident:
-            # A fixed width keeps rich's first way to fit a wide table (wrapping the widest columns) off the ids.
-            width = max([cell_len(c.header), *(_cell_len(r[i]) for r in rows)])
-            t.add_column(c.header, justify=c.justify, width=width, overflow="fold")
-        else:
-            t.add_column(c.header, justify=c.justify, overflow=c.overflow)
-    for row in rows:
-        t.add_row(*row)
-    return t
-
-
-def _natural_width(table: Table) -> int:
-    console = Console(width=10_000)
-    return Measurement.get(console, console.options, table).maximum
 
 
 def _metric(metrics: Mapping[str, float], keys: Sequence[telemetry.Metric]) -> str:
@@ -253,10 +204,6 @@ def events_table(events: Sequence[Record], title: str = "Events", *, wide: bool 
     return t
 
 
-def _mib(n: Any) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f}"
-
-
 def _snapshot_cell(key: str, fmt: Callable[[Any], str]) -> Callable[[Record], RenderableType]:
     """A row of ``dsec.snapshot.listing``; an unreadable manifest has only ``id`` and ``error``."""
 
@@ -322,90 +269,3 @@ def excluded_summary(excluded: Mapping[str, str], *, wide: bool = False) -> str:
         for why, devices in by_reason.items()
     ]
     return "excluded: " + "; ".join(parts)
-
-
-def _amount(v: float) -> str:
-    """Hours and prices: whole above 100, three significant digits below (a minute of one device is 0.0167)."""
-    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
-
-
-def _hours(key: str) -> Callable[[Record], str]:
-    return lambda r: _amount(r["device_hours"][key])
-
-
-def _share(key: str) -> Callable[[Record], str]:
-    def cell(r: Record) -> str:
-        total = r["device_hours"]["total"]
-        return f"{100 * r['device_hours'][key] / total:.0f}%" if total > 0 else "-"
-
-    return cell
-
-
-_COST_COLUMNS = (
-    _Col("pool", lambda r: Text(r["pool"]), ident=True),
-    _Col("group", lambda r: Text(r.get("group") or "*"), ident=True, default=False),
-    _Col("workers", lambda r: str(r["workers"]), "right", drop=1),
-    _Col("device-h", _hours("total"), "right"),
-    _Col("useful", _share("useful"), "right"),
-    _Col("degraded", _share("degraded"), "right"),
-    _Col("recovering", _share("recovering"), "right"),
-    _Col("idle", _share("idle"), "right"),
-    _Col("useful h", _hours("useful"), "right", default=False),
-    _Col("degraded h", _hours("degraded"), "right", default=False),
-    _Col("recovering h", _hours("recovering"), "right", default=False),
-    _Col("idle h", _hours("idle"), "right", default=False),
-    _Col("cost", lambda r: _amount(r["cost"]["total"]), "right"),
-    _Col("snap MiB", lambda r: _mib((r.get("implicit") or {}).get("snapshots", {}).get("bytes")), "right", drop=3),
-)
-
-
-def cost_rows(report: Mapping[str, Any], *, groups: bool = False) -> list[dict[str, Any]]:
-    """The table's rows of a ``GET /v1/cost`` answer: one per pool (``group`` None), each followed by its groups'
-    when ``groups``."""
-    rows: list[dict[str, Any]] = []
-    for p in report["pools"]:
-        rows.append({**p, "group": None})
-        if groups:
-            for name, g in p["groups"].items():
-                rows.append({"pool": p["pool"], "group": name, **g})
-    return rows
-
-
-def cost_table(report: Mapping[str, Any], *, wide: bool = False, width: int | None = None) -> Table:
-    """Device-hours per pool over the report's window, the share of each phase and the price (``wide``: each
-    group's row too and the hours of each phase)."""
-    span = (report["until"] - report["since"]) / 3600
-    title = f"cost over {span:.2f} h at {report['price_per_device_hour']:g} per device-hour"
-    return _table(title, _COST_COLUMNS, cost_rows(report, groups=wide), wide, width)
-
-
-def cost_summary(report: Mapping[str, Any]) -> list[str]:
-    """The lines under the cost table: totals, DSec's own overhead, the opportunity cost, what is estimated."""
-    h, cost = report["device_hours"], report["cost"]
-    lines = [
-        f"total: {_amount(h['total'])} device-h (useful {_amount(h['useful'])}, degraded {_amount(h['degraded'])}, "
-        f"recovering {_amount(h['recovering'])}, idle {_amount(h['idle'])}); cost {_amount(cost['total'])}"
-    ]
-    proc = report["implicit"]["process"]
-    if proc:
-        lines.append(
-            f"control plane: {proc['cpu_s']:.1f} CPU s over {proc['uptime_s'] / 3600:.2f} h up, "
-            f"RSS {_mib(proc['rss_bytes'])} MiB; probe overhead per step: not reported"
-        )
-    for p in report["pools"]:
-        opp = p["opportunity"]
-        rec = opp["recoveries"]
-        parts = []
-        if opp["degraded_steps"] is not None:
-            parts.append(f"~{opp['degraded_steps']:.0f} steps degraded (estimate)")
-        for t in opp["throughput"]:
-            d = t["degraded_minus_useful"]
-            if d["mean"] is not None:
-                ci = f" [{d['ci95'][0]:.3g}, {d['ci95'][1]:.3g}]" if d["ci95"] else ""
-                parts.append(f"{t['worker']} degraded-useful {d['mean']:+.3g} steps/s{ci} (n={d['n']})")
-        if rec.get("saved_device_hours_estimate") is not None:
-            parts.append(f"heals saved ~{rec['saved_device_hours_estimate']:.3f} device-h vs restarts (estimate)")
-        if parts:
-            lines.append(f"{p['pool']}: " + "; ".join(parts))
-    lines += [f"estimated: {e}" for e in report["estimated"]]
-    return lines

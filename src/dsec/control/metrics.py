@@ -37,59 +37,8 @@ class PoolCollector(Collector):
         self._gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
-        util = GaugeMetricFamily(
-            "dsec_sandbox_utilization_rate",
-            "Mean over a pool's active workers of memory used / memory quota (0..1+); 0 without reports.",
-            labels=["pool"],
-        )
-        sync = GaugeMetricFamily(
-            "dsec_gradient_sync_success_rate",
-            "Share of gradient-sync operations that completed within the latency cap without error, "
-            "from workers' cumulative sync_ok_total / sync_ops_total; NaN before any sync.",
-            labels=["pool"],
-        )
-        recovery = GaugeMetricFamily(
-            "dsec_snapshot_recovery_time",
-            "Seconds the most recent snapshot restore in the pool took; NaN before any restore.",
-            labels=["pool"],
-        )
-        melt = GaugeMetricFamily(
-            "dsec_melt_down_count",
-            "Entries into degradation (breaker meltdowns) in the pool since the store was created; only grows.",
-            labels=["pool"],
-        )
-        workers = GaugeMetricFamily("dsec_workers", "Registered workers by pool and state.", labels=["pool", "state"])
-        pending = GaugeMetricFamily(
-            "dsec_directives_pending",
-            "Active workers whose desired directive version is not acked yet.",
-            labels=["pool"],
-        )
-        worker_melt = GaugeMetricFamily(
-            "dsec_worker_melt_down_count",
-            "Entries into degradation per worker since the store was created; only grows.",
-            labels=["pool", "worker"],
-        )
-        level = GaugeMetricFamily(
-            "dsec_breaker_level",
-            "Degradation level in force per active worker (0 healthy .. 3 sampling paused).",
-            labels=["pool", "worker"],
-        )
-        sync_latency = GaugeMetricFamily(
-            "dsec_worker_sync_latency_seconds",
-            "The breaker's latency signal per active worker: its sync cost p50 (lateness it caused the group), else "
-            "its sync latency p50, in seconds; absent before the worker reported a sync.",
-            labels=["pool", "worker"],
-        )
-        latency_cap = GaugeMetricFamily(
-            "dsec_worker_latency_cap_seconds",
-            "Latency cap in force per active worker, in seconds (its own override, else its pool's threshold).",
-            labels=["pool", "worker"],
-        )
-        memory = GaugeMetricFamily(
-            "dsec_pool_memory_gb",
-            "Pool memory accounting of the elastic quotas: device capacity, quota granted, memory used.",
-            labels=["pool", "kind"],
-        )
+        util, sync, recovery, melt, workers, pending, memory = _pool_families()
+        worker_melt, level, sync_latency, latency_cap = _worker_families()
         for pool, g in self._gauges.pool_gauges().items():
             util.add_metric([pool], g.utilization)
             sync.add_metric([pool], g.sync_success)
@@ -110,6 +59,70 @@ class PoolCollector(Collector):
                 if not math.isnan(wg.latency_cap_ms):
                     latency_cap.add_metric([wg.pool, wg.worker], wg.latency_cap_ms / 1000.0)
         yield from (util, sync, recovery, melt, workers, pending, worker_melt, level, sync_latency, latency_cap, memory)
+
+
+def _pool_families() -> tuple[GaugeMetricFamily, ...]:
+    """The per-pool families, empty: utilization, sync success, recovery time, meltdowns, workers by state,
+    pending directives, memory accounting."""
+    util = GaugeMetricFamily(
+        "dsec_sandbox_utilization_rate",
+        "Mean over a pool's active workers of memory used / memory quota (0..1+); 0 without reports.",
+        labels=["pool"],
+    )
+    sync = GaugeMetricFamily(
+        "dsec_gradient_sync_success_rate",
+        "Share of gradient-sync operations that completed within the latency cap without error, "
+        "from workers' cumulative sync_ok_total / sync_ops_total; NaN before any sync.",
+        labels=["pool"],
+    )
+    recovery = GaugeMetricFamily(
+        "dsec_snapshot_recovery_time",
+        "Seconds the most recent snapshot restore in the pool took; NaN before any restore.",
+        labels=["pool"],
+    )
+    melt = GaugeMetricFamily(
+        "dsec_melt_down_count",
+        "Entries into degradation (breaker meltdowns) in the pool since the store was created; only grows.",
+        labels=["pool"],
+    )
+    workers = GaugeMetricFamily("dsec_workers", "Registered workers by pool and state.", labels=["pool", "state"])
+    pending = GaugeMetricFamily(
+        "dsec_directives_pending",
+        "Active workers whose desired directive version is not acked yet.",
+        labels=["pool"],
+    )
+    memory = GaugeMetricFamily(
+        "dsec_pool_memory_gb",
+        "Pool memory accounting of the elastic quotas: device capacity, quota granted, memory used.",
+        labels=["pool", "kind"],
+    )
+    return util, sync, recovery, melt, workers, pending, memory
+
+
+def _worker_families() -> tuple[GaugeMetricFamily, ...]:
+    """The per-worker families, empty: meltdowns, breaker level, sync latency, latency cap."""
+    worker_melt = GaugeMetricFamily(
+        "dsec_worker_melt_down_count",
+        "Entries into degradation per worker since the store was created; only grows.",
+        labels=["pool", "worker"],
+    )
+    level = GaugeMetricFamily(
+        "dsec_breaker_level",
+        "Degradation level in force per active worker (0 healthy .. 3 sampling paused).",
+        labels=["pool", "worker"],
+    )
+    sync_latency = GaugeMetricFamily(
+        "dsec_worker_sync_latency_seconds",
+        "The breaker's latency signal per active worker: its sync cost p50 (lateness it caused the group), else "
+        "its sync latency p50, in seconds; absent before the worker reported a sync.",
+        labels=["pool", "worker"],
+    )
+    latency_cap = GaugeMetricFamily(
+        "dsec_worker_latency_cap_seconds",
+        "Latency cap in force per active worker, in seconds (its own override, else its pool's threshold).",
+        labels=["pool", "worker"],
+    )
+    return worker_melt, level, sync_latency, latency_cap
 
 
 class CostCollector(Collector):

@@ -56,7 +56,6 @@ def _runtime(cp: ControlPlane, runtime_id: str) -> Runtime:
 def runtime_routes() -> APIRouter:
     # each route checks its own mix of tokens; all are rate limited
     r = APIRouter(prefix="/v1/runtimes", tags=["runtimes"], responses=documented(401, 403, 429))
-    admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
 
     @r.post("", status_code=201, responses=documented(404, 503))
     async def register_runtime(body: RuntimeRegister, request: Request, authorization: Auth = None) -> Response:
@@ -103,6 +102,14 @@ def runtime_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON({"items": [rt.to_api() for rt in sorted(cp.runtimes.runtimes.values(), key=lambda r: r.id)]})
 
+    r.include_router(_admin_routes())
+    return r
+
+
+def _admin_routes() -> APIRouter:
+    """The admin-only runtime routes (included under ``runtime_routes``' prefix, after its own routes)."""
+    admin = APIRouter(dependencies=ADMIN_ONLY)  # admin token checked before anything else
+
     @admin.delete("/{runtime_id}", status_code=204, responses=documented(404, 503))
     async def delete_runtime(runtime_id: WorkerId, request: Request) -> Response:
         """Forget a runtime: its token stops working, its pending deliveries fail."""
@@ -127,5 +134,4 @@ def runtime_routes() -> APIRouter:
         rt = _runtime(cp, runtime_id)
         return JSON({"items": [d.to_api() for d in cp.runtimes.deliveries_of(rt.id)]})
 
-    r.include_router(admin)
-    return r
+    return admin

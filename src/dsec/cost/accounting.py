@@ -209,20 +209,7 @@ def account(
     """The cost report for ``workers`` over ``window`` from ``events`` (the state events of their whole lives, the
     window's ``snapshot`` and ``recovery`` events). Every worker's phase seconds add up to its allocated seconds in
     the window, so each pool's (and the report's) phases add up to its total."""
-    by_worker: dict[str, list[Event]] = defaultdict(list)
-    by_pool: dict[str, list[Event]] = defaultdict(list)
-    for e in events:
-        if e.type is EventType.RECOVERY:
-            named = e.data.get("worker")
-            if isinstance(named, str):
-                by_worker[named].append(e)
-            if e.pool and window.since <= e.ts < window.until:
-                by_pool[e.pool].append(e)
-        elif e.type is EventType.SNAPSHOT:
-            if e.pool and window.since <= e.ts < window.until:
-                by_pool[e.pool].append(e)
-        elif e.worker_id is not None:
-            by_worker[e.worker_id].append(e)
+    by_worker, by_pool = _events_by_worker_and_pool(events, window)
     registrations: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for w in workers:
         if w.device is not None:
@@ -240,20 +227,11 @@ def account(
         gc = pc.groups.setdefault(w.group, GroupCost())
         pc.workers += 1
         gc.workers += 1
-        devices = w.devices if w.devices is not None else 1
         if w.devices is None:
             no_device.append(w.id)
         if w.progressed is None:
             unknown_progress.append(w.id)
-        degraded_s = 0.0
-        for s in segs:
-            pc.hours.add(s.phase, s.seconds * devices / 3600)
-            gc.hours.add(s.phase, s.seconds * devices / 3600)
-            if s.phase == "degraded":
-                degraded_s += s.seconds
-        if degraded_s > 0 and w.step_ms:
-            pc.degraded_steps = (pc.degraded_steps or 0.0) + degraded_s / (w.step_ms / 1e3)
-            step_estimates += 1
+        step_estimates += _add_hours(pc, gc, w, segs)
         effect = throughput_effect(w, by_pool.get(w.pool, ()), segs)
         if effect is not None:
             pc.throughput.append(effect)
@@ -264,6 +242,53 @@ def account(
     for pc in pools.values():
         pc.snapshots = pc.snapshots or snapshot_overhead(())
         pc.recoveries = pc.recoveries or recovery_comparison(())
+    estimated = _estimated(no_device, unknown_progress, step_estimates, pools)
+    notes = [PROBE_OVERHEAD_NOTE, METRIC_HISTORY_NOTE]
+    return CostReport(window, price_per_device_hour, pools, process, estimated, notes)
+
+
+def _events_by_worker_and_pool(
+    events: Sequence[Event], window: Window
+) -> tuple[dict[str, list[Event]], dict[str, list[Event]]]:
+    """Each worker's events (its state events and the ``recovery`` events that name it) and each pool's
+    ``snapshot`` and ``recovery`` events within ``window``."""
+    by_worker: dict[str, list[Event]] = defaultdict(list)
+    by_pool: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        if e.type is EventType.RECOVERY:
+            named = e.data.get("worker")
+            if isinstance(named, str):
+                by_worker[named].append(e)
+            if e.pool and window.since <= e.ts < window.until:
+                by_pool[e.pool].append(e)
+        elif e.type is EventType.SNAPSHOT:
+            if e.pool and window.since <= e.ts < window.until:
+                by_pool[e.pool].append(e)
+        elif e.worker_id is not None:
+            by_worker[e.worker_id].append(e)
+    return by_worker, by_pool
+
+
+def _add_hours(pc: PoolCost, gc: GroupCost, w: WorkerRecord, segs: Sequence[Segment]) -> int:
+    """The worker's device-hours per phase into its pool and group; 1 when its degraded time was also turned into
+    degraded steps by its step time (an estimate), else 0."""
+    devices = w.devices if w.devices is not None else 1
+    degraded_s = 0.0
+    for s in segs:
+        pc.hours.add(s.phase, s.seconds * devices / 3600)
+        gc.hours.add(s.phase, s.seconds * devices / 3600)
+        if s.phase == "degraded":
+            degraded_s += s.seconds
+    if degraded_s > 0 and w.step_ms:
+        pc.degraded_steps = (pc.degraded_steps or 0.0) + degraded_s / (w.step_ms / 1e3)
+        return 1
+    return 0
+
+
+def _estimated(
+    no_device: list[str], unknown_progress: list[str], step_estimates: int, pools: dict[str, PoolCost]
+) -> list[str]:
+    """What the report estimates rather than measures, one line each."""
     estimated: list[str] = []
     if no_device:
         estimated.append(f"devices: {len(no_device)} worker(s) registered without a device, 1 device each assumed")
@@ -275,5 +300,4 @@ def account(
         )
     if any(p.recoveries.get("heal_as_restart_device_hours_estimate") is not None for p in pools.values()):
         estimated.append("recoveries: a heal's cost as a restart, from the mean total_s of the window's restarts")
-    notes = [PROBE_OVERHEAD_NOTE, METRIC_HISTORY_NOTE]
-    return CostReport(window, price_per_device_hour, pools, process, estimated, notes)
+    return estimated

@@ -191,32 +191,9 @@ def worker_segments(
             end = e.ts if end is None else min(end, e.ts)
     start = w.registered_at
     stop = min(window.until, end if end is not None else window.until, now if now is not None else window.until)
-    # Changes of state, each (ts, order, what, value); replayed in time order.
-    marks: list[tuple[float, int, str, Any]] = []
     first = next((e for e in evs if e.type is not EventType.REGISTERED and e.worker_id == w.id), None)
     restoring_at_start = first is not None and _ok_restore(first)
-    for i, e in enumerate(evs):
-        if e.type is EventType.RECOVERY:
-            total = number_of(e.data, "total_s") or 0.0
-            marks.append((max(start, e.ts - total), i, "fail", True))
-            marks.append((e.ts, i, "fail", False))
-            continue
-        if e.worker_id != w.id:
-            continue
-        if e.type in (EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
-            to = e.data.get("level_to")
-            if isinstance(to, int) and not isinstance(to, bool):
-                marks.append((e.ts, i, "level", to))
-        elif e.type is EventType.LOST:
-            marks.append((e.ts, i, "fail", True))
-        elif e.type is EventType.REJOINED:
-            marks.append((e.ts, i, "fail", False))
-        elif _ok_restore(e):
-            marks.append((e.ts, i, "fail", False))
-            marks.append((e.ts, i, "restoring", False))
-    for t in handovers:
-        marks.append((t, len(evs), "handover", True))
-    marks.sort(key=lambda m: (m[0], m[1]))
+    marks = _marks(w, evs, start, handovers)
     level = 0
     failed, restoring = False, restoring_at_start
     out: list[Segment] = []
@@ -246,6 +223,37 @@ def worker_segments(
     if cursor < stop:
         _emit(out, cursor, stop, phase(), level, window)
     return out
+
+
+def _marks(
+    w: WorkerRecord, evs: Sequence[Event], start: float, handovers: Sequence[float]
+) -> list[tuple[float, int, str, Any]]:
+    """Changes of the worker's state, each (ts, order, what, value), in the time order they are replayed in;
+    ``evs`` sorted by time."""
+    marks: list[tuple[float, int, str, Any]] = []
+    for i, e in enumerate(evs):
+        if e.type is EventType.RECOVERY:
+            total = number_of(e.data, "total_s") or 0.0
+            marks.append((max(start, e.ts - total), i, "fail", True))
+            marks.append((e.ts, i, "fail", False))
+            continue
+        if e.worker_id != w.id:
+            continue
+        if e.type in (EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
+            to = e.data.get("level_to")
+            if isinstance(to, int) and not isinstance(to, bool):
+                marks.append((e.ts, i, "level", to))
+        elif e.type is EventType.LOST:
+            marks.append((e.ts, i, "fail", True))
+        elif e.type is EventType.REJOINED:
+            marks.append((e.ts, i, "fail", False))
+        elif _ok_restore(e):
+            marks.append((e.ts, i, "fail", False))
+            marks.append((e.ts, i, "restoring", False))
+    for t in handovers:
+        marks.append((t, len(evs), "handover", True))
+    marks.sort(key=lambda m: (m[0], m[1]))
+    return marks
 
 
 def _emit(out: list[Segment], a: float, b: float, phase: str, level: int, window: Window) -> None:

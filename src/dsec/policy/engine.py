@@ -177,32 +177,7 @@ class Engine:
             st = self.states[sk] = RuleState(digest=rule.digest)
         value = self._value(rule.when, scope, series, now)
         holds = not math.isnan(value) and value != 0.0
-
-        def move(phase: str, shown: str | None = None) -> None:
-            st.phase = phase if phase in ("pending", "firing") else "inactive"
-            st.since = now if st.phase != "inactive" else None
-            st.acted = False
-            transitions.append(Transition(rule.name, scope, shown or phase, now, value, RuleState(**asdict(st))))
-
-        if st.phase == "firing":
-            if rule.clear_when is not None:
-                clear = self._value(rule.clear_when, scope, series, now)
-                cleared = not math.isnan(clear) and clear != 0.0
-            else:
-                cleared = not holds
-            if cleared:
-                move("inactive", "resolved")
-                return
-        elif holds:
-            if st.phase == "inactive":
-                move("pending")
-            if st.since is not None and now - st.since >= rule.for_s:
-                move("firing")
-        else:
-            if st.phase == "pending":
-                move("inactive", "reset")
-            return
-        if st.phase != "firing":
+        if not self._advance(rule, scope, st, now, value, holds, series, transitions):
             return
         cooled = st.last_action is None or now - st.last_action >= rule.cooldown_s
         # The first action of an episode waits only for the cooldown (which spans episodes: a flapping condition
@@ -227,6 +202,46 @@ class Engine:
         if acted:
             st.last_action = now
             st.acted = True
+
+    def _advance(
+        self,
+        rule: Rule,
+        scope: Scope,
+        st: RuleState,
+        now: float,
+        value: float,
+        holds: bool,
+        series: SeriesStore,
+        transitions: list[Transition],
+    ) -> bool:
+        """The rule's phase on ``scope`` after this evaluation (inactive, pending, firing), each change recorded in
+        ``transitions``; True when it fires (and may act)."""
+
+        def move(phase: str, shown: str | None = None) -> None:
+            st.phase = phase if phase in ("pending", "firing") else "inactive"
+            st.since = now if st.phase != "inactive" else None
+            st.acted = False
+            transitions.append(Transition(rule.name, scope, shown or phase, now, value, RuleState(**asdict(st))))
+
+        if st.phase == "firing":
+            if rule.clear_when is not None:
+                clear = self._value(rule.clear_when, scope, series, now)
+                cleared = not math.isnan(clear) and clear != 0.0
+            else:
+                cleared = not holds
+            if cleared:
+                move("inactive", "resolved")
+                return False
+        elif holds:
+            if st.phase == "inactive":
+                move("pending")
+            if st.since is not None and now - st.since >= rule.for_s:
+                move("firing")
+        else:
+            if st.phase == "pending":
+                move("inactive", "reset")
+            return False
+        return st.phase == "firing"
 
     def _act(
         self,

@@ -23,13 +23,20 @@ never fires on data it does not have.
 from __future__ import annotations
 
 import difflib
-import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsec.errors import InvalidInput
+from dsec.policy.expr_tree import Binary as Binary
+from dsec.policy.expr_tree import Metric as Metric
+from dsec.policy.expr_tree import Node as Node
+from dsec.policy.expr_tree import Num as Num
+from dsec.policy.expr_tree import RangeCall as RangeCall
+from dsec.policy.expr_tree import Unary as Unary
+from dsec.policy.expr_tree import _eval, _metrics
+from dsec.policy.expr_tree import range_value as range_value
 
 RANGE_FUNCS = (
     "increase",
@@ -71,42 +78,6 @@ def parse_duration(text: str) -> float:
         raise ValueError(f"{text!r} is not a duration: expected e.g. 30s, 5m, 1h, 1h30m, 1d")
     d, h, mi, s = (int(g) if g else 0 for g in m.groups())
     return float(d * 86400 + h * 3600 + mi * 60 + s)
-
-
-# -- AST ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Num:
-    value: float
-
-
-@dataclass(frozen=True)
-class Metric:
-    name: str
-    offset: int
-
-
-@dataclass(frozen=True)
-class RangeCall:
-    func: str
-    metric: str
-    window_s: float
-    offset: int
-
-
-@dataclass(frozen=True)
-class Unary:
-    op: str
-    operand: Node
-
-
-@dataclass(frozen=True)
-class Binary:
-    op: str
-    left: Node
-    right: Node
-
-
-Node = Num | Metric | RangeCall | Unary | Binary
 
 
 @dataclass(frozen=True)
@@ -319,87 +290,3 @@ def parse(text: str, metrics: Sequence[str], other_level: Sequence[str] = ()) ->
     p = _Parser(text, metrics, other_level)
     root = p.parse()
     return Expr(text, root, max(p.windows, default=0.0), frozenset(_metrics(root)))
-
-
-def _metrics(node: Node) -> set[str]:
-    if isinstance(node, Metric):
-        return {node.name}
-    if isinstance(node, RangeCall):
-        return {node.metric}
-    if isinstance(node, Unary):
-        return _metrics(node.operand)
-    if isinstance(node, Binary):
-        return _metrics(node.left) | _metrics(node.right)
-    return set()
-
-
-def _truth(x: float) -> bool:
-    return not math.isnan(x) and x != 0.0
-
-
-def _eval(
-    node: Node,
-    instant: Callable[[str], float],
-    ranged: Callable[[str, float], Sequence[tuple[float, float]]],
-    now: float,
-) -> float:
-    if isinstance(node, Num):
-        return node.value
-    if isinstance(node, Metric):
-        return instant(node.name)
-    if isinstance(node, RangeCall):
-        return range_value(node.func, ranged(node.metric, node.window_s), node.window_s)
-    if isinstance(node, Unary):
-        v = _eval(node.operand, instant, ranged, now)
-        if node.op == "-":
-            return -v
-        return math.nan if math.isnan(v) else float(not _truth(v))
-    left = _eval(node.left, instant, ranged, now)
-    right = _eval(node.right, instant, ranged, now)
-    if node.op in ("and", "or"):
-        # Three-valued: unknown (NaN) stays unknown unless the other side decides (false and x, true or x).
-        decisive = 0.0 if node.op == "and" else 1.0
-        sides = [math.nan if math.isnan(v) else float(_truth(v)) for v in (left, right)]
-        if decisive in sides:
-            return decisive
-        return math.nan if any(math.isnan(v) for v in sides) else 1.0 - decisive
-    if math.isnan(left) or math.isnan(right):
-        return math.nan  # unknown: a rule never fires on data it does not have, not even under `not`
-    if node.op == "+":
-        return left + right
-    if node.op == "-":
-        return left - right
-    if node.op == "*":
-        return left * right
-    if node.op == "/":
-        return left / right if right != 0 else math.nan
-    return float(
-        {">": left > right, "<": left < right, ">=": left >= right, "<=": left <= right, "==": left == right,
-         "!=": left != right}[node.op]
-    )  # fmt: skip
-
-
-def range_value(func: str, samples: Sequence[tuple[float, float]], window_s: float) -> float:
-    """A range function over ``samples`` ((t, v), oldest first, already limited to the window)."""
-    values = [v for _, v in samples if not math.isnan(v)]
-    if func == "count_over_time":
-        return float(len(values))
-    if not values:
-        return math.nan
-    if func == "avg_over_time":
-        return sum(values) / len(values)
-    if func == "min_over_time":
-        return min(values)
-    if func == "max_over_time":
-        return max(values)
-    if func == "last_over_time":
-        return values[-1]
-    if func == "delta":
-        return values[-1] - values[0]
-    # increase / rate: growth of a counter, a drop being a reset (the counter restarted from 0).
-    growth = 0.0
-    for prev, cur in itertools.pairwise(values):
-        growth += cur - prev if cur >= prev else cur
-    if func == "increase":
-        return growth
-    return growth / window_s

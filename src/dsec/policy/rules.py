@@ -26,6 +26,7 @@ import fnmatch
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -261,71 +262,100 @@ def compile_policies(text: str, source: str = "<string>") -> PolicySet:
             )
             continue
         seen[r.name] = i
-        metrics = POOL_METRICS + (WORKER_METRICS if r.scope.level == "worker" else ())
-        other = () if r.scope.level == "worker" else WORKER_METRICS
-        exprs: dict[str, Expr] = {}
-        for key, expr_text in (("when", r.when), ("clear_when", r.clear_when)):
-            if expr_text is None:
-                continue
-            try:
-                pos = _value_pos(marked, (*base, key), expr_text, text)
-                exprs[key] = _expr(expr_text, metrics, other, source, pos, f"policies[{i}].{key}")
-            except ConfigError as exc:
-                problems += exc.problems
-        actions: list[Action] = []
-        for j, a in enumerate(r.then):
-            knob = KNOBS.get((r.scope.level, a.knob))
-            if knob is None:
-                names = sorted(k.name for (lvl, _), k in KNOBS.items() if lvl == r.scope.level)
-                problems.append(
-                    f"{at('then', j, 'knob')}: policies[{i}].then[{j}].knob: unknown {r.scope.level} knob {a.knob!r}: "
-                    f"expected one of {', '.join(names)}"
-                )
-                continue
-            if (a.by is None) == (a.to is None):
-                problems.append(f"{at('then', j)}: policies[{i}].then[{j}]: give exactly one of `by` or `to`")
-                continue
-            if a.to is not None and not knob.lo <= a.to <= knob.hi:
-                problems.append(f"{at('then', j, 'to')}: policies[{i}].then[{j}].to: {a.to:g} is outside "
-                                f"{a.knob}'s range {knob.lo:g}..{knob.hi:g}")  # fmt: skip
-                continue
-            actions.append(Action(knob, a.by, a.to))
-        bounds: dict[str, tuple[float | None, float | None]] = {}
-        for name, b in r.bounds.items():
-            if (r.scope.level, name) not in KNOBS:
-                problems.append(f"{at('bounds', name)}: policies[{i}].bounds.{name}: unknown {r.scope.level} knob")
-            elif b.min is not None and b.max is not None and b.min > b.max:
-                problems.append(f"{at('bounds', name)}: policies[{i}].bounds.{name}: min {b.min:g} > max {b.max:g}")
-            else:
-                bounds[name] = (b.min, b.max)
+        exprs = _rule_exprs(r, i, marked, text, source, problems)
+        actions = _rule_actions(r, i, at, problems)
+        bounds = _rule_bounds(r, i, at, problems)
         if len(actions) != len(r.then) or "when" not in exprs or (r.clear_when and "clear_when" not in exprs):
             continue
-        when, clear = exprs["when"], exprs.get("clear_when")
-        digest = hashlib.sha256(json.dumps(r.model_dump(by_alias=True), sort_keys=True).encode()).hexdigest()[:16]
-        rules.append(
-            Rule(
-                name=r.name,
-                when=when,
-                for_s=parse_duration(r.for_),
-                level=r.scope.level,
-                pools=tuple(r.scope.pools),
-                role=r.scope.role,
-                actions=tuple(actions),
-                bounds=bounds,
-                cooldown_s=parse_duration(r.cooldown),
-                max_per=parse_rate(r.max_per) if r.max_per else None,
-                clear_when=clear,
-                priority=r.priority,
-                dry_run=r.dry_run,
-                labels=dict(r.labels),
-                annotations=dict(r.annotations),
-                order=i,
-                digest=digest,
-            )
-        )
+        rules.append(_rule(r, i, exprs["when"], exprs.get("clear_when"), actions, bounds))
     if problems:
         raise ConfigError(problems)
     return PolicySet(tuple(rules), source, text, frozenset(r.name for r in rules))
+
+
+def _rule_exprs(r: RuleSpec, i: int, marked: Marked, text: str, source: str, problems: list[str]) -> dict[str, Expr]:
+    """Rule ``i``'s ``when`` and ``clear_when`` parsed (the ones that parse); what does not parse, into ``problems``."""
+    metrics = POOL_METRICS + (WORKER_METRICS if r.scope.level == "worker" else ())
+    other = () if r.scope.level == "worker" else WORKER_METRICS
+    exprs: dict[str, Expr] = {}
+    for key, expr_text in (("when", r.when), ("clear_when", r.clear_when)):
+        if expr_text is None:
+            continue
+        try:
+            pos = _value_pos(marked, ("policies", i, key), expr_text, text)
+            exprs[key] = _expr(expr_text, metrics, other, source, pos, f"policies[{i}].{key}")
+        except ConfigError as exc:
+            problems += exc.problems
+    return exprs
+
+
+def _rule_actions(r: RuleSpec, i: int, at: Callable[..., str], problems: list[str]) -> list[Action]:
+    """Rule ``i``'s valid actions; the others' problems into ``problems``."""
+    actions: list[Action] = []
+    for j, a in enumerate(r.then):
+        knob = KNOBS.get((r.scope.level, a.knob))
+        if knob is None:
+            names = sorted(k.name for (lvl, _), k in KNOBS.items() if lvl == r.scope.level)
+            problems.append(
+                f"{at('then', j, 'knob')}: policies[{i}].then[{j}].knob: unknown {r.scope.level} knob {a.knob!r}: "
+                f"expected one of {', '.join(names)}"
+            )
+            continue
+        if (a.by is None) == (a.to is None):
+            problems.append(f"{at('then', j)}: policies[{i}].then[{j}]: give exactly one of `by` or `to`")
+            continue
+        if a.to is not None and not knob.lo <= a.to <= knob.hi:
+            problems.append(f"{at('then', j, 'to')}: policies[{i}].then[{j}].to: {a.to:g} is outside "
+                            f"{a.knob}'s range {knob.lo:g}..{knob.hi:g}")  # fmt: skip
+            continue
+        actions.append(Action(knob, a.by, a.to))
+    return actions
+
+
+def _rule_bounds(
+    r: RuleSpec, i: int, at: Callable[..., str], problems: list[str]
+) -> dict[str, tuple[float | None, float | None]]:
+    """Rule ``i``'s valid bounds, knob -> (min, max); the others' problems into ``problems``."""
+    bounds: dict[str, tuple[float | None, float | None]] = {}
+    for name, b in r.bounds.items():
+        if (r.scope.level, name) not in KNOBS:
+            problems.append(f"{at('bounds', name)}: policies[{i}].bounds.{name}: unknown {r.scope.level} knob")
+        elif b.min is not None and b.max is not None and b.min > b.max:
+            problems.append(f"{at('bounds', name)}: policies[{i}].bounds.{name}: min {b.min:g} > max {b.max:g}")
+        else:
+            bounds[name] = (b.min, b.max)
+    return bounds
+
+
+def _rule(
+    r: RuleSpec,
+    i: int,
+    when: Expr,
+    clear: Expr | None,
+    actions: list[Action],
+    bounds: dict[str, tuple[float | None, float | None]],
+) -> Rule:
+    """The compiled rule ``i`` (all its parts valid)."""
+    digest = hashlib.sha256(json.dumps(r.model_dump(by_alias=True), sort_keys=True).encode()).hexdigest()[:16]
+    return Rule(
+        name=r.name,
+        when=when,
+        for_s=parse_duration(r.for_),
+        level=r.scope.level,
+        pools=tuple(r.scope.pools),
+        role=r.scope.role,
+        actions=tuple(actions),
+        bounds=bounds,
+        cooldown_s=parse_duration(r.cooldown),
+        max_per=parse_rate(r.max_per) if r.max_per else None,
+        clear_when=clear,
+        priority=r.priority,
+        dry_run=r.dry_run,
+        labels=dict(r.labels),
+        annotations=dict(r.annotations),
+        order=i,
+        digest=digest,
+    )
 
 
 def load_policies(path: str | Path) -> PolicySet:

@@ -60,8 +60,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# Float tolerance for capacity comparisons and grid rounding (GB); far below any meaningful quota.
-_EPS = 1e-9
+from dsec.quota.grants import _EPS, _grow, _reclaim, _reclaim_idle
+from dsec.quota.grants import _grid_ceil as _grid_ceil  # re-exported: the grid's tests import it from here
 
 
 def _is_number(value: object) -> bool:
@@ -190,14 +190,6 @@ class QuotaPlan:
         }
 
 
-def _grid_ceil(x: float, base: float, ceiling: float, step: float) -> float:
-    """The smallest ``base + k * step`` >= x (k >= 0), capped at ``ceiling``."""
-    if x <= base:
-        return base
-    k = math.ceil((x - base) / step - _EPS)
-    return min(ceiling, base + k * step)
-
-
 def plan(
     capacity_gb: float | None,
     base_gb: float,
@@ -209,29 +201,13 @@ def plan(
     """Plan the quotas of one pool's workers. See the module docstring for the rules. ``device_gb``: the memory
     of one device (a limit never exceeds it); None: ``capacity_gb``."""
     config = config if config is not None else QuotaConfig()
-    if capacity_gb is not None:
-        _check_nonneg("capacity_gb", capacity_gb)
-    _check_nonneg("base_gb", base_gb)
-    _check_nonneg("ceiling_gb", ceiling_gb)
-    if ceiling_gb < base_gb:
-        raise ValueError(f"ceiling_gb={ceiling_gb!r} is invalid: expected >= base_gb ({base_gb:g})")
-    workers = tuple(workers)
-    ids = [w.worker_id for w in workers]
-    duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)  # not ids.count: quadratic at 10k workers
-    if duplicates:
-        raise ValueError(f"worker_id={duplicates!r} appear more than once: expected one entry per worker")
+    workers = _checked(capacity_gb, base_gb, ceiling_gb, workers)
 
     quota = {w.worker_id: float(w.quota_gb) for w in workers}
     notes: dict[str, list[str]] = {w.worker_id: [] for w in workers}
 
     # (1) The guarantee and the cap hold whatever else happens.
-    for w in workers:
-        if w.quota_gb < base_gb:
-            quota[w.worker_id] = base_gb
-            notes[w.worker_id].append(f"raised {w.quota_gb:g} -> {base_gb:g} GB: below the pool's base")
-        elif w.quota_gb > ceiling_gb:
-            quota[w.worker_id] = ceiling_gb
-            notes[w.worker_id].append(f"lowered {w.quota_gb:g} -> {ceiling_gb:g} GB: above the pool's ceiling")
+    _clamp(workers, quota, notes, base_gb, ceiling_gb)
 
     # Capacity 0 is how devices of unknown memory add up: no device information, like None.
     usable: float | None = None
@@ -267,135 +243,74 @@ def plan(
     limit_changes: dict[str, float | None] = {}
     if usable is not None:
         card = float(device_gb) if device_gb else float(capacity_gb or 0.0)
-        # What each worker holds now: its usage (no report: its whole grant). A limit is the worker's grant, or
-        # all the memory its neighbours do not hold now if that is more — so a burst may borrow memory a
-        # neighbour was granted but does not use; giving it back when the neighbour needs it is the pressure
-        # path's job (the breaker's memory cap sits below the limit), not a wall at the grant.
-        held = {w.worker_id: w.used_gb if w.used_gb is not None else quota[w.worker_id] for w in workers}
-        total_held = math.fsum(held.values())
-        for w in workers:
-            if w.used_gb is None:  # no report: nothing to size a limit by; the grant caps it, as before limits
-                continue
-            limit = min(card, max(quota[w.worker_id], usable - (total_held - held[w.worker_id])))
-            own = ceiling_gb if w.ceiling_gb is None else min(ceiling_gb, w.ceiling_gb)
-            if not w.bursting or w.ceiling_gb is not None:
-                # Past the ceiling only for a burst: a slow leak stops there (fails early, alone, and placement
-                # learns its card); a ceiling lowered for this worker (stuck episodes) is a hard bound.
-                limit = min(limit, max(quota[w.worker_id], own))
-            old = w.limit_gb
-            # One step of hysteresis both ways: a limit follows every neighbour's usage, and a directive per
-            # wobble would churn versions (and the acks the breaker's directives wait for). A limit may thus
-            # run up to a step above what is free; a full card is then handled as without quotas.
-            if old is None or abs(limit - old) >= config.step_gb - _EPS or old < quota[w.worker_id]:
-                limit_changes[w.worker_id] = limit
+        limit_changes = _limits(workers, quota, usable, card, ceiling_gb, config)
     reasons = {wid: "; ".join(lines) for wid, lines in notes.items() if lines}
     return QuotaPlan(
         changes=changes, over_ceiling=over_ceiling, accounting=accounting, reasons=reasons, limit_changes=limit_changes
     )
 
 
-def _grow(
-    workers: Sequence[WorkerMemory],
-    quota: dict[str, float],
-    notes: dict[str, list[str]],
-    usable: float,
-    tol: float,
-    ceiling: float,
-    config: QuotaConfig,
+def _checked(
+    capacity_gb: float | None, base_gb: float, ceiling_gb: float, workers: Sequence[WorkerMemory]
+) -> tuple[WorkerMemory, ...]:
+    """The plan's inputs checked (ValueError when invalid); the workers as a tuple."""
+    if capacity_gb is not None:
+        _check_nonneg("capacity_gb", capacity_gb)
+    _check_nonneg("base_gb", base_gb)
+    _check_nonneg("ceiling_gb", ceiling_gb)
+    if ceiling_gb < base_gb:
+        raise ValueError(f"ceiling_gb={ceiling_gb!r} is invalid: expected >= base_gb ({base_gb:g})")
+    workers = tuple(workers)
+    ids = [w.worker_id for w in workers]
+    duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)  # not ids.count: quadratic at 10k workers
+    if duplicates:
+        raise ValueError(f"worker_id={duplicates!r} appear more than once: expected one entry per worker")
+    return workers
+
+
+def _clamp(
+    workers: tuple[WorkerMemory, ...], quota: dict[str, float], notes: dict[str, list[str]], base: float, ceiling: float
 ) -> None:
-    """One step more for each worker near its quota, closest first, while the pool has room."""
-    candidates: list[tuple[float, str, float, float, float]] = []
+    """Every quota into [base, ceiling]."""
     for w in workers:
-        q = quota[w.worker_id]
-        own = ceiling if w.ceiling_gb is None else min(ceiling, w.ceiling_gb)
-        # used > 0: a worker that uses nothing does not need more, even with a zero quota.
-        if w.used_gb is None or w.used_gb <= 0 or q >= own:
-            continue
-        ahead = w.used_gb + w.ramp_gb_per_s * config.ramp_horizon_s
-        if ahead >= config.grow_when_used_fraction * q:
-            ratio = ahead / q if q > 0 else math.inf
-            candidates.append((-ratio, w.worker_id, w.used_gb, own, ahead))
-    granted = math.fsum(quota.values())
-    for _, wid, used, own, ahead in sorted(candidates):
-        old = quota[wid]
-        need = ahead * (1 + config.slack_fraction) if ahead > old else old
-        new = min(own, max(old + config.step_gb, _grid_ceil(need, old, math.inf, config.step_gb)))
-        # A worker whose step does not fit is skipped; a smaller step (capped at the ceiling) may still.
-        if granted + (new - old) <= usable + tol:
-            quota[wid] = new
-            granted += new - old
-            notes[wid].append(
-                f"grown {old:g} -> {new:g} GB: uses {used:g} GB (in {config.ramp_horizon_s:g} s at its ramp: "
-                f"{ahead:.3g} GB) >= {config.grow_when_used_fraction:.0%} of its quota, pool has headroom"
-            )
+        if w.quota_gb < base:
+            quota[w.worker_id] = base
+            notes[w.worker_id].append(f"raised {w.quota_gb:g} -> {base:g} GB: below the pool's base")
+        elif w.quota_gb > ceiling:
+            quota[w.worker_id] = ceiling
+            notes[w.worker_id].append(f"lowered {w.quota_gb:g} -> {ceiling:g} GB: above the pool's ceiling")
 
 
-def _reclaim_idle(
+def _limits(
     workers: tuple[WorkerMemory, ...],
     quota: dict[str, float],
-    notes: dict[str, list[str]],
-    base: float,
-    ceiling: float,
-    config: QuotaConfig,
-) -> set[str]:
-    """Give back grants a worker's recent peak leaves unused (see the module docstring); the workers reclaimed."""
-    out: set[str] = set()
-    for w in workers:
-        q = quota[w.worker_id]
-        if w.recent_peak_gb is None or w.used_gb is None or q <= base:
-            continue
-        peak = max(w.recent_peak_gb, w.used_gb)
-        target = _grid_ceil(peak * (1 + config.slack_fraction) / config.grow_when_used_fraction, base, ceiling,
-                            config.step_gb)  # fmt: skip
-        if q - target >= config.step_gb - _EPS:
-            quota[w.worker_id] = target
-            out.add(w.worker_id)
-            notes[w.worker_id].append(f"idle grant reclaimed {q:g} -> {target:g} GB: recent peak {peak:.3g} GB")
-    return out
-
-
-def _reclaim(
-    workers: tuple[WorkerMemory, ...],
-    quota: dict[str, float],
-    notes: dict[str, list[str]],
     usable: float,
-    tol: float,
-    base: float,
-    ceiling: float,
+    card: float,
+    ceiling_gb: float,
     config: QuotaConfig,
-) -> None:
-    """Take grants back until the pool fits: reporting workers first, largest unused grant first."""
-    step = config.step_gb
-    granted = math.fsum(quota.values())
-    over_by = granted - usable
-    reporting: list[tuple[float, str, float, float]] = []
-    silent: list[tuple[float, str]] = []
+) -> dict[str, float | None]:
+    """The allocator limit of each reporting worker, where it changes (see "Grant and limit"). ``card``: the memory
+    of one device."""
+    limit_changes: dict[str, float | None] = {}
+    # What each worker holds now: its usage (no report: its whole grant). A limit is the worker's grant, or
+    # all the memory its neighbours do not hold now if that is more — so a burst may borrow memory a
+    # neighbour was granted but does not use; giving it back when the neighbour needs it is the pressure
+    # path's job (the breaker's memory cap sits below the limit), not a wall at the grant.
+    held = {w.worker_id: w.used_gb if w.used_gb is not None else quota[w.worker_id] for w in workers}
+    total_held = math.fsum(held.values())
     for w in workers:
-        q = quota[w.worker_id]
-        if q <= base:
+        if w.used_gb is None:  # no report: nothing to size a limit by; the grant caps it, as before limits
             continue
-        if w.used_gb is None:
-            silent.append((-(q - base), w.worker_id))
-            continue
-        target = min(q, _grid_ceil(w.used_gb * (1 + config.slack_fraction), base, ceiling, step))
-        if target < q:
-            reporting.append((-(q - w.used_gb), w.worker_id, target, w.used_gb))
-    for _, wid, target, used in sorted(reporting):
-        if granted <= usable + tol:
-            return
-        old = quota[wid]
-        quota[wid] = target
-        granted -= old - target
-        notes[wid].append(
-            f"reclaimed {old:g} -> {target:g} GB: pool over-committed by {over_by:g} GB, uses {used:g} GB"
-        )
-    for _, wid in sorted(silent):
-        if granted <= usable + tol:
-            return
-        old = quota[wid]
-        need = granted - usable
-        cut = min(old - base, math.ceil(need / step - _EPS) * step)
-        new = max(base, old - cut)
-        quota[wid] = new
-        granted -= old - new
-        notes[wid].append(f"reclaimed {old:g} -> {new:g} GB: pool over-committed by {over_by:g} GB, no usage report")
+        limit = min(card, max(quota[w.worker_id], usable - (total_held - held[w.worker_id])))
+        own = ceiling_gb if w.ceiling_gb is None else min(ceiling_gb, w.ceiling_gb)
+        if not w.bursting or w.ceiling_gb is not None:
+            # Past the ceiling only for a burst: a slow leak stops there (fails early, alone, and placement
+            # learns its card); a ceiling lowered for this worker (stuck episodes) is a hard bound.
+            limit = min(limit, max(quota[w.worker_id], own))
+        old = w.limit_gb
+        # One step of hysteresis both ways: a limit follows every neighbour's usage, and a directive per
+        # wobble would churn versions (and the acks the breaker's directives wait for). A limit may thus
+        # run up to a step above what is free; a full card is then handled as without quotas.
+        if old is None or abs(limit - old) >= config.step_gb - _EPS or old < quota[w.worker_id]:
+            limit_changes[w.worker_id] = limit
+    return limit_changes

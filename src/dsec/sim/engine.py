@@ -27,11 +27,13 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
+# Re-exported: the records a run leaves behind lived here before (dsec.sim.runner imports Outcome from here).
+from dsec.sim.outcome import Interruption as Interruption
+from dsec.sim.outcome import Outcome as Outcome
 from dsec.sim.scenario import Scenario
 from dsec.sim.world import DOWN, PENDING, RUN, Kind, Layout, Trace, Truth, generate, layout_of, sample_noise, truth_of
 
@@ -56,51 +58,6 @@ class Regime(Protocol):
 
 
 _UP, _DURABLE = 0, 1
-
-
-@dataclass
-class Interruption:
-    t: float
-    group: int
-    cause: str  # crash | oom | power | migration
-    workers: int  # workers whose process ended
-    recovery_s: float  # from the failure to training again (restart; without time spent waiting for capacity)
-    rolled_back_steps: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "t": round(self.t, 1),
-            "group": self.group,
-            "cause": self.cause,
-            "workers": self.workers,
-            "recovery_s": round(self.recovery_s, 3),
-            "rolled_back_steps": round(self.rolled_back_steps, 2),
-        }
-
-
-@dataclass
-class Outcome:
-    """What one regime did with the scenario; see :func:`summarize` for the derived figures."""
-
-    regime: str
-    duration_s: float
-    groups: int
-    workers: int
-    gpus_per_group: float
-    ideal_rate: float  # fault-free useful steps/s of one group
-    progress: np.ndarray  # useful steps per group
-    down_s: np.ndarray  # restarting
-    pending_s: np.ndarray  # waiting for capacity
-    blocked_s: np.ndarray  # checkpoint / snapshot cost
-    rolled_back: np.ndarray  # useful steps lost to failures
-    sync_ops: float
-    sync_ok: float
-    interruptions: list[Interruption]
-    meltdowns: int | None
-    timeline: list[tuple[float, float]]  # (t, total useful steps)
-    decisions: dict[str, int] = field(default_factory=dict)  # what the regime's control did, by kind
-    wall_s: float = 0.0
-    peak_rss_mb: float = 0.0
 
 
 class Simulation:

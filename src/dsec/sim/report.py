@@ -59,10 +59,24 @@ def _row(label: str, b: Any, d: Any, fmt: str = "{}") -> str:
 
 
 def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, Any]] | None = None) -> str:
-    sc = c.scenario
     b, d = c.summary(c.comparator), c.summary("dsec")
     h = c.headline()
-    lines = [
+    lines = _overview(c, b, d, h)
+    lines += _breakdowns(b, d)
+    lines += _targets(h, b, d)
+    for name, path in plots.items():
+        lines += [f"![{name}]({Path(path).name})", ""]
+    if sweep_rows:
+        lines += _sweep(sweep_rows)
+    if not any(p.endswith(".png") for p in plots.values()):
+        lines += ["(No PNG plots: matplotlib is not installed — `pip install dsec[sim]`.)", ""]
+    return "\n".join(lines)
+
+
+def _overview(c: Comparison, b: dict[str, Any], d: dict[str, Any], h: dict[str, Any]) -> list[str]:
+    """The title, the scenario, both regimes' figures side by side and the goodput ratio."""
+    sc = c.scenario
+    return [
         f"# Simulation report: {sc.name}",
         "",
         sc.description or "",
@@ -88,6 +102,12 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         f"{h['goodput_ratio_naive']}; DSec captured {h['captured_share']} of the recoverable loss "
         f"(ideal {h['goodput_steps_per_s']['ideal']} useful steps/s).",
         "",
+    ]
+
+
+def _breakdowns(b: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    """GPU-hours lost by cause, interruptions by cause, and what DSec's modules decided."""
+    lines = [
         "## GPU-hours lost per day, by cause",
         "",
         "| cause | baseline | DSec |",
@@ -102,7 +122,12 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
     lines += ["", "## What DSec's modules decided", "", "| decision | count |", "|---|---:|"]
     for k, v in d["decisions"].items():
         lines.append(f"| {k} | {v} |")
-    lines += ["", "## Targets (measured, not assumed)", ""]
+    return lines
+
+
+def _targets(h: dict[str, Any], b: dict[str, Any], d: dict[str, Any]) -> list[str]:
+    """Issue 9's targets as measured, and how fast the simulation ran."""
+    lines = ["", "## Targets (measured, not assumed)", ""]
     for key, label, ok in TARGETS:
         v = _get(h, key)
         lines.append(f"- {label}: measured {v} — {'met' if ok(v) else 'NOT met'}")
@@ -112,29 +137,29 @@ def markdown(c: Comparison, plots: dict[str, str], sweep_rows: list[dict[str, An
         f"{b['sim_speedup']}x for the baseline; peak RSS {h['peak_rss_mb']} MB.",
         "",
     ]
-    for name, path in plots.items():
-        lines += [f"![{name}]({Path(path).name})", ""]
-    if sweep_rows:
-        lines += [
-            "## Sensitivity sweep",
-            "",
-            "| parameter | value | goodput ratio | hours lost/day baseline -> DSec | interruption rate baseline -> "
-            "DSec | OOMs baseline / DSec | meltdowns |",
-            "|---|---:|---:|---|---|---|---:|",
-        ]
-        for r in sweep_rows:
-            lines.append(
-                f"| {r['parameter']} | {r['value']:g} | {r['goodput_ratio']} | "
-                f"{r['hours_lost_per_day']['baseline']} -> {r['hours_lost_per_day']['dsec']} | "
-                f"{r['interruption_rate']['baseline']:.3%} -> {r['interruption_rate']['dsec']:.3%} | "
-                f"{r['ooms']['baseline']} / {r['ooms']['dsec']} | {r['meltdowns']} |"
-            )
-        lines += ["", "Where DSec does not help:", ""]
-        lines += [f"- {f}" for f in findings(sweep_rows)]
-        lines.append("")
-    if not any(p.endswith(".png") for p in plots.values()):
-        lines += ["(No PNG plots: matplotlib is not installed — `pip install dsec[sim]`.)", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _sweep(sweep_rows: list[dict[str, Any]]) -> list[str]:
+    """The sensitivity sweep's table and where DSec does not help."""
+    lines = [
+        "## Sensitivity sweep",
+        "",
+        "| parameter | value | goodput ratio | hours lost/day baseline -> DSec | interruption rate baseline -> "
+        "DSec | OOMs baseline / DSec | meltdowns |",
+        "|---|---:|---:|---|---|---|---:|",
+    ]
+    for r in sweep_rows:
+        lines.append(
+            f"| {r['parameter']} | {r['value']:g} | {r['goodput_ratio']} | "
+            f"{r['hours_lost_per_day']['baseline']} -> {r['hours_lost_per_day']['dsec']} | "
+            f"{r['interruption_rate']['baseline']:.3%} -> {r['interruption_rate']['dsec']:.3%} | "
+            f"{r['ooms']['baseline']} / {r['ooms']['dsec']} | {r['meltdowns']} |"
+        )
+    lines += ["", "Where DSec does not help:", ""]
+    lines += [f"- {f}" for f in findings(sweep_rows)]
+    lines.append("")
+    return lines
 
 
 def plot(c: Comparison, out: Path, sweep_rows: list[dict[str, Any]] | None = None) -> dict[str, str]:

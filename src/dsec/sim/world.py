@@ -136,25 +136,48 @@ def _poisson_times(rng: np.random.Generator, rate_per_s: np.ndarray, horizon_s: 
     return times, owners
 
 
+class _TraceBuilder:
+    """The events of a fault trace as they are drawn, kind by kind; those past the horizon are dropped."""
+
+    def __init__(self, horizon: float) -> None:
+        self.horizon = horizon
+        self.times: list[np.ndarray] = []
+        self.kinds: list[np.ndarray] = []
+        self.targets: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+        self.counts: dict[str, int] = {}
+
+    def add(self, kind: Kind, t: np.ndarray, who: np.ndarray, value: np.ndarray | float = 0.0) -> None:
+        v = np.broadcast_to(np.asarray(value, dtype=float), t.shape)
+        keep = t < self.horizon
+        self.times.append(t[keep])
+        self.kinds.append(np.full(int(keep.sum()), int(kind)))
+        self.targets.append(who[keep].astype(np.int64))
+        self.values.append(v[keep])
+        self.counts[kind.name.lower()] = self.counts.get(kind.name.lower(), 0) + int(keep.sum())
+
+    def trace(self, power_cards: tuple[int, ...]) -> Trace:
+        """All events in time order (same instant: in :class:`Kind` order)."""
+        times, kinds, targets, values = self.times, self.kinds, self.targets, self.values
+        all_t = np.concatenate(times) if times else np.zeros(0)
+        all_k = np.concatenate(kinds) if kinds else np.zeros(0, np.int64)
+        order = np.lexsort((all_k, all_t))
+        return Trace(
+            all_t[order],
+            all_k[order],
+            np.concatenate(targets)[order] if targets else np.zeros(0, np.int64),
+            np.concatenate(values)[order] if values else np.zeros(0),
+            power_cards,
+            self.counts,
+        )
+
+
 def generate(sc: Scenario, layout: Layout, truth: Truth, seed: int | None = None) -> Trace:
     """The fault trace of ``sc`` over its whole duration (independent of any regime)."""
     rng = np.random.default_rng([sc.seed if seed is None else seed, 2])
     horizon = sc.duration_h * 3600.0
-    times: list[np.ndarray] = []
-    kinds: list[np.ndarray] = []
-    targets: list[np.ndarray] = []
-    values: list[np.ndarray] = []
-    counts: dict[str, int] = {}
-
-    def add(kind: Kind, t: np.ndarray, who: np.ndarray, value: np.ndarray | float = 0.0) -> None:
-        v = np.broadcast_to(np.asarray(value, dtype=float), t.shape)
-        keep = t < horizon
-        times.append(t[keep])
-        kinds.append(np.full(int(keep.sum()), int(kind)))
-        targets.append(who[keep].astype(np.int64))
-        values.append(v[keep])
-        counts[kind.name.lower()] = counts.get(kind.name.lower(), 0) + int(keep.sum())
-
+    trace = _TraceBuilder(horizon)
+    add = trace.add
     # Thermal throttling per card: episodes of fixed length (overlaps merge into one longer episode).
     t, card = _poisson_times(rng, truth.throttle_per_h / 3600.0, horizon)
     dur = sc.cluster.throttle_duration_s
@@ -175,29 +198,24 @@ def generate(sc: Scenario, layout: Layout, truth: Truth, seed: int | None = None
     t, idx = _poisson_times(rng, np.full(len(jittery), jit.episodes_per_h / 3600.0), horizon)
     add(Kind.JITTER_ON, t, jittery[idx], jit.episode_s)
     add(Kind.JITTER_OFF, t + jit.episode_s, jittery[idx], jit.episode_s)
-    # The nightly power-saving window switches off a fixed set of cards (the same cards every night).
+    return trace.trace(_power_saving(sc, layout, rng, trace))
+
+
+def _power_saving(sc: Scenario, layout: Layout, rng: np.random.Generator, trace: _TraceBuilder) -> tuple[int, ...]:
+    """The nightly power-saving window switches off a fixed set of cards (the same cards every night): its events
+    into ``trace``; the cards it switches off."""
     power_cards: tuple[int, ...] = ()
     ps = sc.faults.power_saving
     if ps is not None and ps.fraction > 0 and ps.duration_h > 0:
         n_off = round(ps.fraction * layout.cards)
         power_cards = tuple(sorted(int(c) for c in rng.choice(layout.cards, size=n_off, replace=False)))
         day = 0
-        while day * 86400.0 + ps.start_h * 3600.0 < horizon:
+        while day * 86400.0 + ps.start_h * 3600.0 < trace.horizon:
             start = day * 86400.0 + ps.start_h * 3600.0
-            add(Kind.POWER_OFF, np.array([start]), np.array([day]))
-            add(Kind.POWER_ON, np.array([start + ps.duration_h * 3600.0]), np.array([day]))
+            trace.add(Kind.POWER_OFF, np.array([start]), np.array([day]))
+            trace.add(Kind.POWER_ON, np.array([start + ps.duration_h * 3600.0]), np.array([day]))
             day += 1
-    all_t = np.concatenate(times) if times else np.zeros(0)
-    all_k = np.concatenate(kinds) if kinds else np.zeros(0, np.int64)
-    order = np.lexsort((all_k, all_t))
-    return Trace(
-        all_t[order],
-        all_k[order],
-        np.concatenate(targets)[order] if targets else np.zeros(0, np.int64),
-        np.concatenate(values)[order] if values else np.zeros(0),
-        power_cards,
-        counts,
-    )
+    return power_cards
 
 
 def sample_noise(seed: int, index: int, workers: int) -> tuple[np.ndarray, np.ndarray]:

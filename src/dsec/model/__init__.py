@@ -1,98 +1,29 @@
 """Domain types shared by every layer: pools, devices, workers, directives, events.
 
-Frozen dataclasses with validation on construction. Nothing here imports a web framework, a
+Frozen dataclasses with validation on construction; the enumerations they use (roles, worker states, device health,
+event types) are in :mod:`dsec.model.kinds` and importable from here. Nothing here imports a web framework, a
 database driver or torch; the control plane translates these to and from its wire schemas and
 its tables, the probe to and from its transport.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dsec.errors import InvalidInput
+from dsec.model.kinds import WORKER_EVENT_TYPES as WORKER_EVENT_TYPES
+from dsec.model.kinds import DeviceHealth as DeviceHealth
+from dsec.model.kinds import EventType as EventType
+from dsec.model.kinds import Role as Role
+from dsec.model.kinds import WorkerState as WorkerState
 
 
 class ModelError(InvalidInput, ValueError):
     """A domain value is out of range; the message names the field and the accepted values."""
 
-
-class Role(str, enum.Enum):
-    """What a worker does in the RL job."""
-
-    ACTOR = "actor"
-    LEARNER = "learner"
-    OTHER = "other"
-
-
-class WorkerState(str, enum.Enum):
-    """Liveness of a registered worker, as the control plane sees it.
-
-    ACTIVE: heartbeats arrive within the allowed interval.
-    LOST: missed ``lost_after_beats`` consecutive beats; directives are kept, it may come back.
-    DEREGISTERED: left cleanly; terminal.
-    """
-
-    ACTIVE = "active"
-    LOST = "lost"
-    DEREGISTERED = "deregistered"
-
-
-class DeviceHealth(str, enum.Enum):
-    """Health of a device as judged by the scheduler (issue: device health)."""
-
-    HEALTHY = "healthy"
-    DEGRADED = "degraded"
-    DRAINED = "drained"
-    PROBATION = "probation"
-
-
-class EventType(str, enum.Enum):
-    """Every kind of event the control plane records. Workers may only send the worker-side kinds."""
-
-    REGISTERED = "registered"
-    DEREGISTERED = "deregistered"
-    LOST = "lost"
-    REJOINED = "rejoined"
-    # The probe inferred the worker's role from what it does (``from``, ``to``, ``evidence``); the record now says it.
-    ROLE_INFERRED = "role_inferred"
-    DIRECTIVE_SET = "directive_set"
-    DIRECTIVE_ACKED = "directive_acked"
-    # A worker cannot carry out a directive field (``field``, ``reason``, ``version``, ``requested``): never acked.
-    DIRECTIVE_UNAPPLIABLE = "directive_unappliable"
-    MELTDOWN = "meltdown"  # a worker's breaker opened (entry into degradation)
-    RECOVERED = "recovered"  # a worker's breaker closed again, or a precision fallback was undone
-    BREAKER = "breaker"  # any other breaker transition (escalate, step down, ack)
-    QUOTA = "quota"  # an elastic memory quota changed
-    SNAPSHOT = "snapshot"
-    RESTORE = "restore"
-    POLICY_ACTION = "policy_action"  # a rule changed (or, in a dry run, would have changed) a knob
-    POLICY = "policy"  # a rule's state changed: pending, firing, resolved, reset
-    PLACEMENT = "placement"  # a job was placed (devices per worker, score)
-    DEVICE = "device"  # a device's health changed, or a run on it ended (history for its profile)
-    RECOVERY = "recovery"  # a launcher restarted a worker group, or a group healed in place (phases timed)
-    HEAL = "heal"  # a healing group's membership changed: an epoch formed or broke, a replacement waits, a fencing
-    WEBHOOK = "webhook"  # a policy pushed to an agent runtime was delivered or given up (attempts logged)
-    ALERT = "alert"
-    ANOMALY = "anomaly"
-    LOG = "log"
-    POOL_CHANGED = "pool_changed"
-
-
-#: Event kinds a worker may report in a heartbeat; the rest are decided by the control plane.
-WORKER_EVENT_TYPES = frozenset(
-    {
-        EventType.SNAPSHOT,
-        EventType.RESTORE,
-        EventType.ALERT,
-        EventType.ANOMALY,
-        EventType.LOG,
-        EventType.DIRECTIVE_UNAPPLIABLE,
-    }
-)
 
 COMPRESSION_BITS = (32, 16, 8, 4)
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -1,0 +1,139 @@
+"""DSec's elastic memory quotas in the simulator.
+
+Each worker's memory trend (``dsec.quota.trend``, the server's formula over arrays), the allocator cap a worker
+above its quota or limit runs into (an OOM), and ``dsec.quota.plan`` per card for the cards whose inputs changed."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
+from dsec.quota.trend import bursting, observe_arrays
+from dsec.sim.regimes import Regime, largest_first
+from dsec.sim.scenario import Scenario
+
+if TYPE_CHECKING:
+    from dsec.sim.engine import Simulation
+
+
+class QuotaPass(Regime):
+    """Quotas of :class:`~dsec.sim.dsec_regime.DsecRegime` (set up by its ``attach``, see :meth:`_attach_quotas`)."""
+
+    sc: Scenario
+    reference: bool
+    quota_config: QuotaConfig
+    knobs: dict[tuple[str, str], float | None]
+    pool_names: list[str]
+
+    def _attach_quotas(self, sim: Simulation) -> None:
+        sc, lay = self.sc, sim.layout
+        # The inputs of each card's last quota plan (see _quotas).
+        self.plan_mem = np.full(sim.N, -1.0)
+        self.plan_quota = np.full(sim.N, -1.0)
+        self.plan_slot = np.full(sim.N, -1, dtype=np.int64)
+        self.plan_count = np.zeros(lay.cards, dtype=np.int64)
+        self.quota = np.full(sim.N, sc.quota_base_gb())
+        # The allocator limit each worker's probe enforces (NaN: none issued yet — the probe caps at the quota).
+        self.limit = np.full(sim.N, math.nan)
+        self.plan_limit = np.full(sim.N, -1.0)
+        # Each worker's memory trend (dsec.quota.trend, the server's formula over arrays): t, used, ramp, peak.
+        self.trend = [np.full(sim.N, -math.inf), np.zeros(sim.N), np.zeros(sim.N), np.zeros(sim.N),
+                      np.full(sim.N, -math.inf), np.full(sim.N, -math.inf)]  # fmt: skip
+        self.plan_bursting = np.zeros(sim.N, dtype=bool)
+        self.plan_ramp = np.full(sim.N, -1.0)
+        self.plan_peak = np.full(sim.N, -1.0)
+
+    def _ooms(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        sim = self.sim
+        # The quota is the worker's allocator cap (torch.cuda.set_per_process_memory_fraction): a worker above it
+        # fails its own allocation; its neighbours on the card keep running.
+        if not self.sc.dsec.quotas:
+            cap = np.full(len(run), math.inf)
+        elif self.sc.dsec.quota_limits:
+            cap = np.where(np.isnan(self.limit[run]), self.quota[run], self.limit[run])
+        else:  # the first design: the allocator capped at the grant
+            cap = self.quota[run]
+        over = run[mem[run] > cap + 1e-9]
+        victims = set(int(w) for w in over)
+        rest = np.array([w for w in run if int(w) not in victims], dtype=np.int64)
+        # Quotas over-committed (bases alone exceed the card): the largest user fails first.
+        victims |= largest_first(rest, mem, sim.slot_of, sim.layout.workers_per_gpu, self.sc.cluster.gpu_memory_gb)
+        if victims:
+            self.counts["oom_workers"] += len(victims)
+            self.fail_workers(t, "oom", sorted(victims))
+
+    def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""
+        t0, used, ramp, peak, peak_t, burst_t = (arr[run] for arr in self.trend)
+        out = observe_arrays(t0, used, ramp, peak, peak_t, mem[run], t, burst_t=burst_t)
+        for arr, new in zip(self.trend, out, strict=True):
+            arr[run] = new
+
+    def _quotas(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        """dsec.quota.plan per card (the capacity the card's workers share), for the cards whose inputs changed since
+        their last plan: plan() is pure, so unchanged inputs would give an unchanged plan."""
+        sim = self.sim
+        wpg, cards = sim.layout.workers_per_gpu, sim.layout.cards
+        card = sim.slot_of[run] // wpg
+        counts = np.bincount(card, minlength=cards)
+        burst_now = bursting(self.trend[5], t)
+        changed = (
+            (mem[run] != self.plan_mem[run])
+            | (self.quota[run] != self.plan_quota[run])
+            | (sim.slot_of[run] != self.plan_slot[run])
+            | (self.trend[2][run] != self.plan_ramp[run])
+            | (self.trend[3][run] != self.plan_peak[run])
+            | (burst_now[run] != self.plan_bursting[run])
+            | ~((self.limit[run] == self.plan_limit[run]) | (np.isnan(self.limit[run]) & (self.plan_limit[run] < 0)))
+        )
+        dirty = counts != self.plan_count
+        dirty[card[changed]] = True
+        if self.reference:
+            dirty[:] = True
+        sel = dirty[card]
+        inputs = self.quota[run].copy()  # what this plan reads: the next one re-plans if the quota moved since
+        limits_in = np.where(np.isnan(self.limit[run]), -1.0, self.limit[run])
+        ws_all, card_d = run[sel], card[sel]
+        order = np.argsort(card_d, kind="stable")
+        ws_all, card_d = ws_all[order], card_d[order]
+        for ws in np.split(ws_all, np.flatnonzero(np.diff(card_d)) + 1) if len(ws_all) else []:
+            self._plan_card(ws, mem, burst_now)
+        self.plan_mem[run] = mem[run]
+        self.plan_quota[run] = inputs
+        self.plan_limit[run] = limits_in
+        self.plan_bursting[run] = burst_now[run]
+        self.plan_ramp[run] = self.trend[2][run]
+        self.plan_peak[run] = self.trend[3][run]
+        self.plan_slot[run] = sim.slot_of[run]
+        self.plan_count = counts
+
+    def _plan_card(self, ws: np.ndarray, mem: np.ndarray, burst_now: np.ndarray) -> None:
+        """``dsec.quota.plan`` for the workers ``ws`` of one card; its quota and limit changes take effect."""
+        limits_on = self.sc.dsec.quota_limits
+        ramp, peak = self.trend[2], self.trend[3]
+        cap = self.sc.cluster.gpu_memory_gb
+        # Pools share a card; the memory knobs of the first worker's pool apply (they differ only if a policy
+        # changed one pool's base or ceiling, which the example policies do not).
+        pool = self.pool_names[int(self.sim.group_of[ws[0]])]
+        base = float(self.knobs[(pool, "memory_base_gb")] or 0.0)
+        ceiling = float(self.knobs[(pool, "memory_ceiling_gb")] or base)
+        members = [
+            WorkerMemory(
+                str(int(w)), float(mem[w]), float(self.quota[w]),
+                ramp_gb_per_s=float(ramp[w]) if limits_on else 0.0,
+                recent_peak_gb=float(peak[w]) if limits_on else None,
+                limit_gb=None if math.isnan(self.limit[w]) else float(self.limit[w]),
+                bursting=bool(burst_now[w]),
+            )
+            for w in ws
+        ]  # fmt: skip
+        result = plan(cap, base, ceiling, members, self.quota_config, device_gb=cap)
+        for wid, q in result.changes.items():
+            self.quota[int(wid)] = q
+        for wid, lim in result.limit_changes.items():
+            self.limit[int(wid)] = math.nan if lim is None else lim
+        self.counts["quota_changes"] += len(result.changes)
+        self.counts["limit_changes"] += len(result.limit_changes)
