@@ -27,7 +27,8 @@ from dsec.control.deps import cp_of as _cp
 from dsec.control.directive_routes import directive_routes
 from dsec.control.errors import STATUS_REASONS, ApiError, ErrorBody
 from dsec.control.event_routes import event_routes
-from dsec.control.healing import HealRegistry, epochs_from_store, heal_routes
+from dsec.control.heal_routes import heal_routes
+from dsec.control.healing import HealRegistry, epochs_from_store
 from dsec.control.http import (
     BodyLimitAndMetrics,
     api_error_handler,

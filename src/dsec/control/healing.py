@@ -30,93 +30,16 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Header, Path, Query, Request
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
-from starlette.responses import Response
+from typing import Any
 
 from dsec.control import errors
-from dsec.control.auth import bearer
-from dsec.control.errors import ApiError, documented
-from dsec.control.http import JSON
-from dsec.control.schemas import Int, json_integer
+from dsec.control.errors import ApiError
+from dsec.control.heal_bodies import AdmitBody, FailBody, JoinBody, LeaveBody
 from dsec.control.store import EventQuery, Store
 from dsec.heal.membership import Fenced, Group, Invalid, Join, Phase
 from dsec.model import Event, EventType
 
 log = logging.getLogger(__name__)
-
-RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-INCARNATION_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
-ADDRESS_PATTERN = r"^[A-Za-z0-9._:\[\]-]{1,255}:[0-9]{1,5}$"
-MAX_WORLD = 65536
-
-Auth = Annotated[str | None, Header(alias="Authorization", include_in_schema=False)]
-# Optional integers carry their bounds inside (see schemas.SnapshotLevel for why).
-OptRank = Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD), BeforeValidator(json_integer)] | None
-Run = Annotated[str, Path(pattern=RUN_PATTERN)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @field_validator("rank", "dead_rank", check_fields=False)
-    @classmethod
-    def _rank_in_world(cls, rank: int | None, info: ValidationInfo) -> int | None:
-        """A rank the same body's world cannot hold (``world`` is declared first, so it is validated already)."""
-        world = info.data.get("world")
-        if rank is not None and world is not None and rank >= world:
-            raise ValueError(f"{info.field_name}={rank} is out of range for world={world}: expected < world")
-        return rank
-
-
-class JoinBody(_Body):
-    """``rank`` < ``world`` (422 naming rank); a world other than the run's is a 409 naming world."""
-
-    pool: str = Field(..., min_length=1, max_length=128)
-    group: str = Field("default", min_length=1, max_length=128)
-    world: Int = Field(..., ge=1, le=MAX_WORLD)
-    rank: Int = Field(..., ge=0, lt=MAX_WORLD, description="< world")
-    incarnation: str = Field(..., pattern=INCARNATION_PATTERN)
-    address: str = Field(..., pattern=ADDRESS_PATTERN)
-    completed: Int = Field(0, ge=0, le=2**53)  # bounded: they are stored in event data (JSON, 64-bit at most)
-    epoch: Int = Field(0, ge=0, le=2**53)
-    view: list[Annotated[int, Field(strict=True, ge=0, lt=MAX_WORLD), BeforeValidator(json_integer)]] = Field(
-        default_factory=list, max_length=MAX_WORLD
-    )
-    replacement: bool = False
-    device: str | None = Field(None, max_length=128)
-    pending: str | None = Field(None, max_length=200)
-
-
-class AdmitBody(_Body):
-    rank: Int = Field(..., ge=0, lt=MAX_WORLD)
-    incarnation: str = Field(..., pattern=INCARNATION_PATTERN)
-    epoch: Int = Field(..., ge=1, le=2**53)
-    completed: Int = Field(..., ge=0, le=2**53)
-
-
-class FailBody(_Body):
-    """With ``world``, ``rank`` and ``dead_rank`` are < world (422); a dead_rank the run's world cannot hold: 409."""
-
-    # declared first: the rank checks read it
-    world: Annotated[int, Field(strict=True, ge=1, le=MAX_WORLD), BeforeValidator(json_integer)] | None = None
-    # None: the current one (a supervisor does not know epochs)
-    epoch: Annotated[int, Field(strict=True, ge=0, le=2**53), BeforeValidator(json_integer)] | None = None
-    rank: OptRank = None  # the reporter, when it is a member
-    incarnation: str | None = Field(None, pattern=INCARNATION_PATTERN)
-    dead_rank: OptRank = None
-    dead_incarnation: str | None = Field(None, pattern=INCARNATION_PATTERN)
-    # the exited process (a supervisor knows its pid)
-    dead_pid: Annotated[int, Field(strict=True, ge=1, le=2**31), BeforeValidator(json_integer)] | None = None
-    reason: str = Field("", max_length=500)
-    pool: str | None = Field(None, min_length=1, max_length=128)
-
-
-class LeaveBody(_Body):
-    rank: Int = Field(..., ge=0, lt=MAX_WORLD)
-    incarnation: str = Field(..., pattern=INCARNATION_PATTERN)
 
 
 @dataclass
@@ -383,72 +306,6 @@ class HealRegistry:
             "plan": plan,
             **r.group.view(),
         }
-
-
-_ANY_JSON = {"application/json": {"schema": {"type": "object"}}}
-
-
-def heal_routes(registry: Callable[[Request], HealRegistry], lookup: Callable[[Request, str | None], Any]) -> APIRouter:
-    """``lookup(request, token)`` -> (pool of the token or None, is admin)."""
-    # Not rate limited (see ratelimit.py); every route checks a token.
-    r = APIRouter(prefix="/v1/heal", tags=["healing"], responses=documented(401, 403))
-    # Routes that look an existing run up (404 to an admin token), and those that record heal events (503).
-    lookup_run, records = documented(404), documented(503)
-
-    def tokens(request: Request, token: str | None) -> Any:
-        if token is None:
-            raise errors.unauthorized()
-        return lookup(request, token)
-
-    @r.post(
-        "/{run}/join",
-        responses={202: {"description": "no epoch formed within the poll: join again", "content": _ANY_JSON}}
-        | documented(409)
-        | records,
-    )
-    async def join(run: Run, body: JoinBody, request: Request, authorization: Auth = None) -> Response:
-        """Join the next epoch of a healing group (long-poll: 200 with the plan, or 202 to ask again)."""
-        pool, admin = tokens(request, bearer(authorization))
-        status, out = await registry(request).join(run, body, pool, admin, request.is_disconnected)
-        return JSON(out, status_code=status)
-
-    @r.post("/{run}/admit", responses={**documented(409), **lookup_run, **records})
-    async def admit(run: Run, body: AdmitBody, request: Request, authorization: Auth = None) -> Response:
-        """A member reached the agreed admission point (long-poll: the new epoch's plan, broken, or void)."""
-        pool, admin = tokens(request, bearer(authorization))
-        return JSON(await registry(request).admit(run, body, pool, admin, request.is_disconnected))
-
-    @r.post("/{run}/fail", responses={**documented(409), **records})
-    async def fail(run: Run, body: FailBody, request: Request, authorization: Auth = None) -> Response:
-        """Report the epoch broken: a member's collective failed, or a supervisor saw ``dead_rank`` exit."""
-        pool, admin = tokens(request, bearer(authorization))
-        return JSON(await registry(request).fail(run, body, pool, admin))
-
-    @r.post("/{run}/leave", responses={**documented(409), **lookup_run, **records})
-    async def leave(run: Run, body: LeaveBody, request: Request, authorization: Auth = None) -> Response:
-        """A member finished cleanly; its exit is not a failure."""
-        pool, admin = tokens(request, bearer(authorization))
-        return JSON(await registry(request).leave(run, body, pool, admin))
-
-    @r.get("/{run}/watch", responses=lookup_run)
-    async def watch(
-        run: Run,
-        request: Request,
-        authorization: Auth = None,
-        since: Annotated[int, Query(ge=0, le=2**53)] = 0,
-        timeout: Annotated[float, Query(ge=0.0, le=60.0)] = 20.0,
-    ) -> Response:
-        """Long-poll until the group changes past version ``since``: epoch, phase, waiting replacements."""
-        pool, admin = tokens(request, bearer(authorization))
-        return JSON(await registry(request).watch(run, since, pool, admin, timeout, request.is_disconnected))
-
-    @r.get("/{run}", responses=lookup_run)
-    async def state(run: Run, request: Request, authorization: Auth = None) -> Response:
-        """The group's membership, epoch and plan."""
-        pool, admin = tokens(request, bearer(authorization))
-        return JSON(registry(request).state(run, pool, admin))
-
-    return r
 
 
 def epochs_from_store(store: Store) -> dict[str, int]:

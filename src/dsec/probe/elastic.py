@@ -25,20 +25,17 @@ waiting on it fail at once; the others learn it from the control plane's watch (
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from dsec.errors import HealingError
 from dsec.heal.membership import Plan
 from dsec.heal.sequence import Sequence
+from dsec.probe.epoch import Diverged, Epoch, Op, Pending, State, signature
 from dsec.probe.heal_client import FencedOut, HealClient, HealUnavailable
 from dsec.probe.replica_state import ReplicaState, TransferError
 from dsec.probe.replica_state import recv as recv_state
@@ -50,81 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TAG_RESULT = 7_002
-
-
-@dataclass(frozen=True)
-class Epoch:
-    """What an op needs to run in the current epoch."""
-
-    epoch: int
-    pg: Any  # torch ProcessGroupGloo (a Backend: collectives take lists of tensors)
-    members: tuple[int, ...]  # logical ranks in pg-rank order
-    rank: int  # this member's logical rank
-    world: int  # logical world size (the job's)
-    source: int  # the member every other can copy from (the plan's source)
-    shadow: bool = False  # a replacement in its first period: its gradients do not count
-
-    @property
-    def pg_rank(self) -> int:
-        return self.members.index(self.rank)
-
-    def pg_rank_of(self, logical: int, fallback: int) -> int:
-        """The pg rank of logical rank ``logical`` (``fallback``'s when it is not a member of this epoch)."""
-        return self.members.index(logical if logical in self.members else fallback)
-
-
-class Op(Protocol):
-    """One collective. ``sig`` names it in the group's sequence (None: DSec's own, not part of the script's)."""
-
-    @property
-    def sig(self) -> str | None: ...
-
-    def issue(self, ep: Epoch) -> Any: ...  # start it on ep.pg; returns a Work
-
-    def result(self) -> list[torch.Tensor]: ...  # what a member one behind needs (valid after completion)
-
-    def accept(self, tensors: list[torch.Tensor]) -> None: ...  # take the result from the source instead
-
-    def finish(self) -> Any: ...  # after completion or accept: copy outputs, return the op's value
-
-
-class _State(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    HANDED = "handed"  # to the heal thread (failed, aborted, or to be run in the next epoch)
-
-
-@dataclass
-class _Pending:
-    op: Op
-    fut: Any  # torch.futures.Future
-    admit: bool = False
-    known: bool = False  # the control plane already knows the epoch is broken (it told us)
-    state: _State = _State.PENDING
-    epoch: int = 0
-    error: str | None = None
-    submitted: float = field(default_factory=time.monotonic)
-
-
-class Diverged(HealingError, RuntimeError):
-    """Members' scripts took different paths (different collectives at the same point): healing cannot continue."""
-
-
-def _signature(op: Any) -> str:
-    return str(op.sig) if getattr(op, "sig", None) is not None else f"dsec:{type(op).__name__}"
-
-
-def _advertised_host(target: str | None) -> str:
-    """The address peers reach this process at: DSEC_HEAL_HOST, else the local address of the route to ``target``
-    (the rendezvous host), else 127.0.0.1."""
-    if not target:
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 class ElasticGroup:
@@ -163,13 +85,13 @@ class ElasticGroup:
         self.seniority: dict[int, int] = {}  # logical rank -> epoch it joined (oldest wins ties)
         self._last: tuple[int, list[torch.Tensor]] | None = None  # (index, result) of the last completed op
         self._lock = threading.Lock()
-        self._inflight: _Pending | None = None
+        self._inflight: Pending | None = None
         self._broken_epoch: int | None = None  # the epoch the control plane or a failed op says is broken
         self._broken_by_watch = False  # ... and the control plane said so (no need to report it)
         self.join_known = False  # the watch says a replacement waits
         self.admit_at: int | None = None  # agreed admission point (the group's script-collective index)
         self.version = 0
-        self._queue: list[_Pending] = []
+        self._queue: list[Pending] = []
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self.graveyard: list[Any] = []  # abandoned process groups (never destroyed: a stuck op would block it)
@@ -221,7 +143,7 @@ class ElasticGroup:
         """Run ``op`` in the group; returns a torch Future completed with ``op.finish()``."""
         import torch
 
-        p = _Pending(op, torch.futures.Future())
+        p = Pending(op, torch.futures.Future())
         with self._lock:
             if self._closed:
                 p.fut.set_exception(RuntimeError("dsec: the healing group is closed"))
@@ -230,7 +152,7 @@ class ElasticGroup:
             if self.ep is None or admit or self._broken_epoch is not None:
                 p.admit = admit and self.ep is not None and self._broken_epoch is None
                 p.known = self._broken_by_watch
-                p.state = _State.HANDED
+                p.state = State.HANDED
                 self._queue.append(p)
                 self._wake.notify_all()
                 return p.fut
@@ -242,7 +164,7 @@ class ElasticGroup:
         """Submit and wait (the script's synchronous collectives)."""
         return self.submit(op).wait()
 
-    def _issue_locked(self, p: _Pending) -> Any:
+    def _issue_locked(self, p: Pending) -> Any:
         """Issue ``p`` on the current epoch's group (caller holds the lock); returns its Work, or None when it
         failed at once (then it is handed to the heal thread). Attach :meth:`_watch_work` after releasing the lock:
         a work that is already complete runs its callback inline."""
@@ -250,7 +172,7 @@ class ElasticGroup:
         assert ep is not None
         if self._journal is not None:
             self._journal.write(f"{time.time():.4f} issue {self.completed} {p.op.sig} e{ep.epoch} r{self.rank}\n")
-        p.epoch, p.state = ep.epoch, _State.PENDING
+        p.epoch, p.state = ep.epoch, State.PENDING
         self._inflight = p
         try:
             return p.op.issue(self._epoch_view())
@@ -258,7 +180,7 @@ class ElasticGroup:
             self._hand_locked(p, f"{type(exc).__name__}: {exc}")
             return None
 
-    def _watch_work(self, p: _Pending, work: Any) -> None:
+    def _watch_work(self, p: Pending, work: Any) -> None:
         if work is not None:
             work.get_future().then(lambda f: self._on_done(p, f))
 
@@ -268,24 +190,24 @@ class ElasticGroup:
         shadow = self.shadow_period is not None and self.seq.count < self.shadow_period
         return Epoch(ep.epoch, ep.pg, ep.members, ep.rank, ep.world, ep.source, shadow)
 
-    def _on_done(self, p: _Pending, f: Any) -> None:
+    def _on_done(self, p: Pending, f: Any) -> None:
         try:
             f.value()
             error = None
         except Exception as exc:
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         with self._lock:
-            if p.state is not _State.PENDING or p.epoch != (self.ep.epoch if self.ep else -1):
+            if p.state is not State.PENDING or p.epoch != (self.ep.epoch if self.ep else -1):
                 return  # already handed to the heal thread (aborted): this late answer is void
             if error is not None:
                 self._hand_locked(p, error)
                 return
-            p.state = _State.DONE
+            p.state = State.DONE
             self._inflight = None
         self._complete(p)
 
-    def _hand_locked(self, p: _Pending, why: str) -> None:
-        p.state, p.error = _State.HANDED, why
+    def _hand_locked(self, p: Pending, why: str) -> None:
+        p.state, p.error = State.HANDED, why
         if self._inflight is p:
             self._inflight = None
         if self._broken_epoch is None and self.ep is not None:
@@ -293,7 +215,7 @@ class ElasticGroup:
         self._queue.append(p)
         self._wake.notify_all()
 
-    def _complete(self, p: _Pending) -> None:
+    def _complete(self, p: Pending) -> None:
         try:
             value = p.op.finish()
         except Exception as exc:
@@ -332,7 +254,7 @@ class ElasticGroup:
                 self._broken_epoch = ep.epoch
                 self._broken_by_watch = True
                 p = self._inflight
-                if p is not None and p.state is _State.PENDING:
+                if p is not None and p.state is State.PENDING:
                     p.known = True
                     self._hand_locked(p, "the control plane reports the epoch broken")
 
@@ -360,7 +282,7 @@ class ElasticGroup:
                 log.exception("dsec: healing failed")
                 p.fut.set_exception(RuntimeError(f"dsec: healing failed: {type(exc).__name__}: {exc}"))
 
-    def _heal(self, p: _Pending) -> None:
+    def _heal(self, p: Pending) -> None:
         t0 = time.monotonic()
         failed_epoch = self._broken_epoch
         if failed_epoch is not None and not p.known and not self.replacement_pending():
@@ -412,7 +334,7 @@ class ElasticGroup:
     def replacement_pending(self) -> bool:
         return self.replacement and self.plan is None
 
-    def _next_plan(self, p: _Pending) -> Plan | None:
+    def _next_plan(self, p: Pending) -> Plan | None:
         seen = self._seen_plan
         if seen is None:  # a replacement at its first collective
             plan = self.client.join(self.address, 0, 0, replacement=True)
@@ -424,13 +346,13 @@ class ElasticGroup:
                 plan = out["plan"]
             else:  # broken meanwhile: join the next epoch instead
                 plan = self.client.join(
-                    self.address, self.completed, seen.epoch, view=seen.members, pending=_signature(p.op)
+                    self.address, self.completed, seen.epoch, view=seen.members, pending=signature(p.op)
                 )
         else:
             # The newest epoch this member was told of, even one it failed to set up: the control plane counts it
             # as a member there.
             plan = self.client.join(
-                self.address, self.completed, seen.epoch, view=seen.members, pending=_signature(p.op)
+                self.address, self.completed, seen.epoch, view=seen.members, pending=signature(p.op)
             )
         self._seen_plan = plan
         return plan
@@ -443,7 +365,7 @@ class ElasticGroup:
             self._stores[address] = store
         return store
 
-    def _adopt(self, plan: Plan, p: _Pending | None) -> list[torch.Tensor] | None:
+    def _adopt(self, plan: Plan, p: Pending | None) -> list[torch.Tensor] | None:
         """Build the plan's process group and do its transfers. Returns the interrupted op's result when this
         member was one behind (it received it from the source)."""
         dist = self._dist
@@ -453,7 +375,7 @@ class ElasticGroup:
         if plan.diverged:
             raise Diverged(
                 f"the ranks of epoch {plan.epoch - 1} were blocked at different collectives"
-                f" ({_signature(p.op) if p is not None else '?'} here):"
+                f" ({signature(p.op) if p is not None else '?'} here):"
                 " their scripts took different paths, no process group can pair them again"
             )
         prefix = f"dsec/{self.client.me.run}/e{plan.epoch}"

@@ -61,91 +61,8 @@ class GymInstrumentation:
     def install(self, gym: ModuleType) -> None:
         probe = self.probe
         keys = tuple(probe.config.interrupt_info_keys)
-        wrapper_base = gym.Wrapper
-        vector_base = gym.vector.VectorWrapper
-
-        class EpisodeMonitor(wrapper_base):  # type: ignore[misc, valid-type]
-            """Counts steps and episodes of one environment for the DSec probe."""
-
-            def __init__(self, env: Any) -> None:
-                super().__init__(env)
-                self._ret = 0.0
-                self._len = 0
-
-            def reset(self, **kwargs: Any) -> Any:
-                self._ret, self._len = 0.0, 0
-                return self.env.reset(**kwargs)
-
-            def step(self, action: Any) -> Any:
-                probe.wait_for_sampling()
-                obs, reward, terminated, truncated, info = self.env.step(action)
-                self._ret += float(reward)
-                self._len += 1
-                probe.telemetry.record_env_steps(1)
-                if terminated or truncated:
-                    reason = probe.interrupt_reason(_interrupted(info, keys))
-                    probe.telemetry.record_episode(
-                        self._ret, self._len, bool(terminated), bool(truncated), reason is not None
-                    )
-                    probe.after_episode(reason)
-                    self._ret, self._len = 0.0, 0
-                return obs, reward, terminated, truncated, info
-
-        class VectorEpisodeMonitor(vector_base):  # type: ignore[misc, valid-type]
-            """Counts steps and episodes of a vector environment, honouring its autoreset mode."""
-
-            def __init__(self, env: Any) -> None:
-                super().__init__(env)
-                n = env.num_envs
-                self._ret = [0.0] * n
-                self._len = [0] * n
-                self._resetting = [False] * n
-                mode = getattr(env, "metadata", {}).get("autoreset_mode")
-                # NEXT_STEP (gymnasium's default): the step after an episode ends only resets that
-                # sub-environment (reward 0, action ignored): it is not a step of the next episode.
-                name = str(getattr(mode, "value", mode)).lower().replace("_", "")
-                self._next_step = mode is None or name == "nextstep"
-
-            def reset(self, **kwargs: Any) -> Any:
-                n = self.env.num_envs
-                self._ret, self._len, self._resetting = [0.0] * n, [0] * n, [False] * n
-                return self.env.reset(**kwargs)
-
-            def step(self, actions: Any) -> Any:
-                probe.wait_for_sampling()
-                obs, rewards, terminated, truncated, info = self.env.step(actions)
-                # Plain lists once per step: indexing numpy scalars per sub-environment cost microseconds each.
-                rew, term, trunc = _as_list(rewards), _as_list(terminated), _as_list(truncated)
-                if not (any(term) or any(trunc) or any(self._resetting)):
-                    ret, length = self._ret, self._len
-                    for i, r in enumerate(rew):
-                        ret[i] += r
-                        length[i] += 1
-                    probe.telemetry.record_env_steps(len(rew))
-                    return obs, rewards, terminated, truncated, info
-                stepped = 0
-                for i in range(len(self._ret)):
-                    if self._resetting[i]:
-                        self._resetting[i] = False
-                        continue
-                    stepped += 1
-                    self._ret[i] += float(rew[i])
-                    self._len[i] += 1
-                    if term[i] or trunc[i]:
-                        reason = probe.interrupt_reason(_interrupted(info, keys, i))
-                        probe.telemetry.record_episode(
-                            self._ret[i],
-                            self._len[i],
-                            bool(term[i]),
-                            bool(trunc[i]),
-                            reason is not None,
-                        )
-                        self._ret[i], self._len[i] = 0.0, 0
-                        self._resetting[i] = self._next_step
-                        probe.after_episode(reason)
-                probe.telemetry.record_env_steps(stepped)
-                return obs, rewards, terminated, truncated, info
-
+        EpisodeMonitor = _episode_monitor(gym.Wrapper, probe, keys)
+        VectorEpisodeMonitor = _vector_episode_monitor(gym.vector.VectorWrapper, probe, keys)
         self.EpisodeMonitor = EpisodeMonitor
         self.VectorEpisodeMonitor = VectorEpisodeMonitor
         self._patch(gym, "make", self._wrap_make(gym.make, EpisodeMonitor))
@@ -193,3 +110,97 @@ def _flag() -> Iterator[None]:
         yield
     finally:
         _inside_make_vec.active = False
+
+
+def _episode_monitor(wrapper_base: type, probe: Probe, keys: tuple[str, ...]) -> type:
+    """gymnasium.Wrapper subclass counting one environment's steps and episodes for ``probe``."""
+
+    class EpisodeMonitor(wrapper_base):
+        """Counts steps and episodes of one environment for the DSec probe."""
+
+        def __init__(self, env: Any) -> None:
+            super().__init__(env)
+            self._ret = 0.0
+            self._len = 0
+
+        def reset(self, **kwargs: Any) -> Any:
+            self._ret, self._len = 0.0, 0
+            return self.env.reset(**kwargs)
+
+        def step(self, action: Any) -> Any:
+            probe.wait_for_sampling()
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            self._ret += float(reward)
+            self._len += 1
+            probe.telemetry.record_env_steps(1)
+            if terminated or truncated:
+                reason = probe.interrupt_reason(_interrupted(info, keys))
+                probe.telemetry.record_episode(
+                    self._ret, self._len, bool(terminated), bool(truncated), reason is not None
+                )
+                probe.after_episode(reason)
+                self._ret, self._len = 0.0, 0
+            return obs, reward, terminated, truncated, info
+
+    return EpisodeMonitor
+
+
+def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ...]) -> type:
+    """gymnasium.vector.VectorWrapper subclass counting a vector environment's steps and episodes for ``probe``."""
+
+    class VectorEpisodeMonitor(vector_base):
+        """Counts steps and episodes of a vector environment, honouring its autoreset mode."""
+
+        def __init__(self, env: Any) -> None:
+            super().__init__(env)
+            n = env.num_envs
+            self._ret = [0.0] * n
+            self._len = [0] * n
+            self._resetting = [False] * n
+            mode = getattr(env, "metadata", {}).get("autoreset_mode")
+            # NEXT_STEP (gymnasium's default): the step after an episode ends only resets that
+            # sub-environment (reward 0, action ignored): it is not a step of the next episode.
+            name = str(getattr(mode, "value", mode)).lower().replace("_", "")
+            self._next_step = mode is None or name == "nextstep"
+
+        def reset(self, **kwargs: Any) -> Any:
+            n = self.env.num_envs
+            self._ret, self._len, self._resetting = [0.0] * n, [0] * n, [False] * n
+            return self.env.reset(**kwargs)
+
+        def step(self, actions: Any) -> Any:
+            probe.wait_for_sampling()
+            obs, rewards, terminated, truncated, info = self.env.step(actions)
+            # Plain lists once per step: indexing numpy scalars per sub-environment cost microseconds each.
+            rew, term, trunc = _as_list(rewards), _as_list(terminated), _as_list(truncated)
+            if not (any(term) or any(trunc) or any(self._resetting)):
+                ret, length = self._ret, self._len
+                for i, r in enumerate(rew):
+                    ret[i] += r
+                    length[i] += 1
+                probe.telemetry.record_env_steps(len(rew))
+                return obs, rewards, terminated, truncated, info
+            stepped = 0
+            for i in range(len(self._ret)):
+                if self._resetting[i]:
+                    self._resetting[i] = False
+                    continue
+                stepped += 1
+                self._ret[i] += float(rew[i])
+                self._len[i] += 1
+                if term[i] or trunc[i]:
+                    reason = probe.interrupt_reason(_interrupted(info, keys, i))
+                    probe.telemetry.record_episode(
+                        self._ret[i],
+                        self._len[i],
+                        bool(term[i]),
+                        bool(trunc[i]),
+                        reason is not None,
+                    )
+                    self._ret[i], self._len[i] = 0.0, 0
+                    self._resetting[i] = self._next_step
+                    probe.after_episode(reason)
+            probe.telemetry.record_env_steps(stepped)
+            return obs, rewards, terminated, truncated, info
+
+    return VectorEpisodeMonitor

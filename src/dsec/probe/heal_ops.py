@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dsec.errors import HealingError
-from dsec.probe.elastic import Epoch
+from dsec.probe.epoch import Epoch
 
 if TYPE_CHECKING:
     import torch

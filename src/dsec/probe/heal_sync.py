@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from dsec import quant
 from dsec.probe import sync_header as sh
 from dsec.probe.ddp import FP16_MAX, SyncCoordinator, chunk_bytes
-from dsec.probe.elastic import ElasticGroup, Epoch
+from dsec.probe.elastic import ElasticGroup
+from dsec.probe.epoch import Epoch
 
 if TYPE_CHECKING:
     import torch

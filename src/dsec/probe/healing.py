@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 from dsec.heal.membership import Plan
 from dsec.jsonsafe import json_safe as _json_safe
 from dsec.probe import heal_ops
-from dsec.probe.elastic import ElasticGroup, _advertised_host
+from dsec.probe.elastic import ElasticGroup
+from dsec.probe.epoch import advertised_host
 from dsec.probe.heal_client import HealClient, Identity
 from dsec.probe.replica_state import ReplicaState, apply, capture
 
@@ -51,7 +52,7 @@ class Healing:
         self.replacement = replacement
         self.timeout_s = float(env.get("DSEC_HEAL_TIMEOUT_S") or 60.0)
         self.give_up_s = float(env.get("DSEC_HEAL_GIVE_UP_S") or 60.0)
-        self.host = env.get("DSEC_HEAL_HOST") or _advertised_host(env.get("MASTER_ADDR"))
+        self.host = env.get("DSEC_HEAL_HOST") or advertised_host(env.get("MASTER_ADDR"))
         self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.elastic: ElasticGroup | None = None
         self.syncs: list[HealingSync] = []

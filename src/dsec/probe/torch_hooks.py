@@ -22,67 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.probe.ddp import SyncCoordinator, measured_hook
 from dsec.probe.manual_sync import ManualSync
+from dsec.probe.torch_targets import (
+    COLLECTIVES,
+    GROUP_ARG,
+    POINT_TO_POINT,
+    Originals,
+    grad_norm,
+    init_healing,
+    tensor_bytes,
+    unannotated,
+)
 
 if TYPE_CHECKING:
     from dsec.probe.runtime import Probe
 
 log = logging.getLogger(__name__)
-
-# Where each collective takes its ``group`` argument positionally (under healing, collectives on the default group
-# are carried by the elastic group; see healing.py).
-GROUP_ARG = {
-    "all_reduce": 2,
-    "all_gather": 2,
-    "all_gather_into_tensor": 2,
-    "reduce_scatter": 3,
-    "reduce_scatter_tensor": 3,
-    "broadcast": 2,
-    "barrier": 0,
-    "all_to_all": 2,
-    "all_to_all_single": 4,
-    "reduce": 3,
-    "gather": 3,
-    "scatter": 3,
-}
-POINT_TO_POINT = ("send", "recv", "isend", "irecv")
-
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "barrier",
-    "all_to_all",
-    "all_to_all_single",
-    "reduce",
-    "gather",
-    "scatter",
-)
-
-
-def _nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes of the tensors handed to a collective (input side; lists summed)."""
-    import torch
-
-    total = 0
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, (list, tuple)):
-            total += sum(t.numel() * t.element_size() for t in value if isinstance(t, torch.Tensor))
-    return total
-
-
-class _Originals:
-    """Unpatched torch.distributed collectives, for the comm hook's own traffic."""
-
-    def __init__(self, dist: ModuleType) -> None:
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                setattr(self, name, getattr(fn, "__wrapped__", fn))
 
 
 class TorchInstrumentation:
@@ -91,7 +45,7 @@ class TorchInstrumentation:
         self.coordinators: list[SyncCoordinator] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self._hook_handles: list[Any] = []
-        self.originals: _Originals | None = None
+        self.originals: Originals | None = None
         self.manual: ManualSync | None = None  # hand-written gradient all-reduces (manual_sync.py)
 
     # -- install / uninstall --------------------------------------------------------------------------
@@ -105,7 +59,7 @@ class TorchInstrumentation:
             os.makedirs(trace_dir, exist_ok=True)
             self._trace = open(os.path.join(trace_dir, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
-        self.originals = _Originals(dist)
+        self.originals = Originals(dist)
         if dist.is_available() and self.probe.healing is None:
             self.manual = ManualSync(self.probe, self.originals)
             self._patch(torch.autograd, "backward", self._wrap_backward(torch.autograd.backward))
@@ -191,7 +145,7 @@ class TorchInstrumentation:
                     recognised = False
                 if recognised:
                     return manual.all_reduce(fn, args, kwargs)  # gradient sync, measured (and compressed) as such
-            nbytes = _nbytes(args, kwargs)
+            nbytes = tensor_bytes(args, kwargs)
             start = time.perf_counter()
             healing = inst.probe.healing
             try:
@@ -280,7 +234,7 @@ class TorchInstrumentation:
                     probe.event("log", urgent=True, kind="heal", what="off", reason=f"backend {backend}")
                     probe.healing = None
                 else:
-                    return _init_healing(fn, probe, kwargs)
+                    return init_healing(fn, probe, kwargs)
             result = fn(*args, **kwargs)
             try:
                 import torch.distributed as dist
@@ -427,7 +381,7 @@ class TorchInstrumentation:
         elif self._clip_norm is not None:
             norm = self._clip_norm
         else:
-            norm = _grad_norm(opt)
+            norm = grad_norm(opt)
         self._clip_norm = None
         self.probe.telemetry.record_update(time.perf_counter() - start, norm)
         if self._trace is not None:
@@ -481,42 +435,3 @@ class TorchInstrumentation:
             return total
 
         return clip
-
-
-def unannotated(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """DDP checks a comm hook's annotations against the real GradBucket/Future types; under
-    ``from __future__ import annotations`` ours are strings, so hand DDP a plain unannotated function."""
-
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        return fn(state, bucket)
-
-    return hook
-
-
-def _grad_norm(opt: Any) -> float | None:
-    import torch
-
-    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return None
-    norms = torch._foreach_norm(grads)
-    return float(torch.linalg.vector_norm(torch.stack(norms)).item())
-
-
-def _init_healing(fn: Callable[..., Any], probe: Probe, kwargs: dict[str, Any]) -> Any:
-    """``init_process_group`` under healing: a placeholder default group with the script's rank and world size
-    (torch's ``fake`` backend), then the first epoch of the elastic group (blocks until every rank has joined)."""
-    import os
-
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    rank = int(kwargs.get("rank", -1))
-    world = int(kwargs.get("world_size", -1))
-    rank = rank if rank >= 0 else int(os.environ.get("RANK", "0"))
-    world = world if world >= 1 else int(os.environ.get("WORLD_SIZE", "1"))
-    result = fn("fake", rank=rank, world_size=world, store=FakeStore())
-    probe.on_distributed(rank, world)
-    healing = probe.healing
-    assert healing is not None
-    healing.start(rank, world)
-    return result
