@@ -85,11 +85,18 @@ def capture(
         meta["optimizers"][oname] = ometa
     for sname, (get, _set) in states.items():
         meta["state"][sname] = get()
-    if "torch" in meta["rng"]:
-        items.append(_Item("rng/torch", meta["rng"].pop("torch"), 32, False, False))
-    for i, cuda_state in enumerate(meta["rng"].pop("cuda", [])):
-        items.append(_Item(f"rng/cuda/{i}", cuda_state, 32, False, False))
+    items.extend(_rng_items(meta["rng"]))
     return items, meta, carried
+
+
+def _rng_items(rng: dict[str, Any]) -> list[_Item]:
+    """The RNG states that are tensors (torch, CUDA), taken out of ``rng`` into items of their own."""
+    items: list[_Item] = []
+    if "torch" in rng:
+        items.append(_Item("rng/torch", rng.pop("torch"), 32, False, False))
+    for i, cuda_state in enumerate(rng.pop("cuda", [])):
+        items.append(_Item(f"rng/cuda/{i}", cuda_state, 32, False, False))
+    return items
 
 
 def gated_ids(optimizers: dict[str, Any]) -> set[int]:
