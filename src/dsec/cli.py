@@ -258,6 +258,48 @@ def directive_show(worker_id: str, endpoint: Endpoint = DEFAULT_ENDPOINT, admin_
         raise fail(exc) from None
 
 
+def _probe_env(config: Path | None, **given: str | None) -> dict[str, str]:
+    """This environment plus the probe's DSEC_* settings: the harness plugin file's (exit 2 when it is invalid), then
+    the options given."""
+    from dsec.probe.config import plugin_env
+    from dsec.probe.launch import probe_env
+
+    settings: dict[str, str] = {}
+    if config is not None:
+        try:
+            settings.update(plugin_env(config))
+        except ConfigError as exc:
+            raise fail(exc, 2) from None
+    for key, value in given.items():
+        if value is not None:
+            settings[key] = value
+    return probe_env(os.environ, settings)
+
+
+def _check_run(env: dict[str, str], role: str | None, restore: str | None, heal: bool, nproc: int | None) -> None:
+    """Refuse (exit 2) what would only fail inside the job; warn when the command will run without the probe."""
+    from dsec.probe.chaos import ChaosError
+    from dsec.probe.chaos import parse as parse_chaos
+
+    try:
+        # Checked here, before anything starts: inside the job a bad spec would only be logged.
+        parse_chaos(env.get("DSEC_CHAOS") or "")
+    except ChaosError as exc:
+        raise fail(exc, 2) from None
+    if role is not None and role not in ("auto", "actor", "learner", "other"):
+        raise fail(ValueError(f"--role {role!r} is invalid: expected auto, actor, learner or other"), 2)
+    if restore is not None and restore != "latest" and not restore.isdigit():
+        raise fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
+    if env.get("DSEC_RESTORE") and not env.get("DSEC_SNAPSHOT_DIR"):
+        raise fail(ValueError("--restore needs --snapshot-dir (or DSEC_SNAPSHOT_DIR): where are the snapshots?"), 2)
+    if heal and nproc is None:
+        raise fail(ValueError("--heal needs --nproc-per-node: DSec must launch the ranks to replace one"), 2)
+    if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
+        if heal or nproc is not None:
+            raise fail(ValueError("--nproc-per-node/--heal need a control plane: --endpoint and --sandbox-id"), 2)
+        err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
@@ -294,50 +336,22 @@ def run(
     ] = False,
 ) -> None:
     """Run COMMAND with the DSec probe injected into every Python process it starts: dsec run -- python train.py"""
-    from dsec.probe.chaos import ChaosError
-    from dsec.probe.chaos import parse as parse_chaos
-    from dsec.probe.config import plugin_env
-    from dsec.probe.launch import probe_env
     from dsec.probe.launch import run as run_command
 
     command = list(ctx.args)
     if not command:
         raise fail(ValueError("no command given: dsec run [OPTIONS] -- COMMAND [ARGS...]"), 2)
-    settings: dict[str, str] = {}
-    if config is not None:
-        try:
-            settings.update(plugin_env(config))
-        except ConfigError as exc:
-            raise fail(exc, 2) from None
-    for key, value in (
-        ("DSEC_SANDBOX_ID", sandbox_id),
-        ("DSEC_ENDPOINT", endpoint),
-        ("DSEC_TOKEN", token),
-        ("DSEC_ROLE", role),
-        ("DSEC_CHAOS", chaos),
-        ("DSEC_SNAPSHOT_DIR", str(snapshot_dir) if snapshot_dir is not None else None),
-        ("DSEC_RESTORE", restore),
-    ):
-        if value is not None:
-            settings[key] = value
-    env = probe_env(os.environ, settings)
-    try:
-        # Checked here, before anything starts: inside the job a bad spec would only be logged.
-        parse_chaos(env.get("DSEC_CHAOS") or "")
-    except ChaosError as exc:
-        raise fail(exc, 2) from None
-    if role is not None and role not in ("auto", "actor", "learner", "other"):
-        raise fail(ValueError(f"--role {role!r} is invalid: expected auto, actor, learner or other"), 2)
-    if restore is not None and restore != "latest" and not restore.isdigit():
-        raise fail(ValueError(f"--restore {restore!r} is invalid: expected latest or a snapshot number"), 2)
-    if env.get("DSEC_RESTORE") and not env.get("DSEC_SNAPSHOT_DIR"):
-        raise fail(ValueError("--restore needs --snapshot-dir (or DSEC_SNAPSHOT_DIR): where are the snapshots?"), 2)
-    if heal and nproc_per_node is None:
-        raise fail(ValueError("--heal needs --nproc-per-node: DSec must launch the ranks to replace one"), 2)
-    if not env.get("DSEC_ENDPOINT") or not env.get("DSEC_SANDBOX_ID"):
-        if heal or nproc_per_node is not None:
-            raise fail(ValueError("--nproc-per-node/--heal need a control plane: --endpoint and --sandbox-id"), 2)
-        err.print("warning: no DSEC_ENDPOINT/DSEC_SANDBOX_ID: the command runs without the probe")
+    env = _probe_env(
+        config,
+        DSEC_SANDBOX_ID=sandbox_id,
+        DSEC_ENDPOINT=endpoint,
+        DSEC_TOKEN=token,
+        DSEC_ROLE=role,
+        DSEC_CHAOS=chaos,
+        DSEC_SNAPSHOT_DIR=str(snapshot_dir) if snapshot_dir is not None else None,
+        DSEC_RESTORE=restore,
+    )
+    _check_run(env, role, restore, heal, nproc_per_node)
     try:
         if nproc_per_node is not None:
             from dsec.launch.runner import run_group

@@ -8,12 +8,15 @@ import os
 import secrets
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from dsec.cli_common import err, fail
 from dsec.yamlconf import ConfigError
+
+if TYPE_CHECKING:
+    from dsec.control.settings import Settings
 
 
 def _admin_token_file(home: Path) -> str:
@@ -89,28 +92,14 @@ def serve(
     """Run the control plane (uvicorn)."""
     import uvicorn
 
-    from dsec.control.app import create_app
     from dsec.control.server import uvicorn_config
-    from dsec.control.settings import Settings
-    from dsec.control.store import StoreError
-    from dsec.fsutil import private_dir
 
-    if policy is not None:
-        from dsec.policy import load_policies
-
-        try:
-            load_policies(policy)  # checked before anything starts: a typo in a rule starts nothing
-        except ConfigError as exc:
-            raise fail(exc, 2) from None
-    hooks = [u for u in (alert_webhook or []) if u]
-    secret = os.environ.get("DSEC_ALERT_SECRET", "")
-    if hooks and not secret:
-        raise fail(ValueError("--alert-webhook needs DSEC_ALERT_SECRET (the key alerts are signed with)"), 2)
+    _check_policy(policy)
+    hooks, secret = _alert_webhooks(alert_webhook)
     tls = _tls(tls_cert, tls_key, host)
-    overrides: dict[str, object] = {"webhook_allow_private": webhook_allow_private}
-    if webhook_allowed_host:
-        overrides["webhook_allowed_hosts"] = tuple(webhook_allowed_host)
-    settings = Settings.from_env(
+    settings = _settings(
+        webhook_allow_private,
+        webhook_allowed_host,
         home=home,
         database_url=database_url,
         host=host,
@@ -118,15 +107,54 @@ def serve(
         cluster_file=cluster,
         alert_webhooks=tuple((u, secret) for u in hooks),
         policy_file=policy,
-        **overrides,
     )
-    private_dir(settings.home)
-    if settings.admin_token is None:
-        settings = replace(settings, admin_token=_admin_token_file(settings.home))
-    try:
-        fastapi_app = create_app(settings)
-    except (ConfigError, StoreError) as exc:
-        raise fail(exc, 2) from None
+    fastapi_app = _app(settings)
     scheme = "https" if tls else "http"
     err.print(f"DSec control plane on {scheme}://{host}:{port} (store: {settings.database_url.split('@')[-1]})")
     uvicorn.Server(uvicorn_config(fastapi_app, host, port, log_level=log_level, **tls)).run()
+
+
+def _check_policy(policy: Path | None) -> None:
+    if policy is not None:
+        from dsec.policy import load_policies
+
+        try:
+            load_policies(policy)  # checked before anything starts: a typo in a rule starts nothing
+        except ConfigError as exc:
+            raise fail(exc, 2) from None
+
+
+def _alert_webhooks(alert_webhook: list[str] | None) -> tuple[list[str], str]:
+    """The alert webhook URLs given and the secret they are signed with (exit 2: URLs but no secret)."""
+    hooks = [u for u in (alert_webhook or []) if u]
+    secret = os.environ.get("DSEC_ALERT_SECRET", "")
+    if hooks and not secret:
+        raise fail(ValueError("--alert-webhook needs DSEC_ALERT_SECRET (the key alerts are signed with)"), 2)
+    return hooks, secret
+
+
+def _settings(webhook_allow_private: bool, webhook_allowed_host: list[str] | None, **given: Any) -> Settings:
+    """The control plane's settings (the environment, then the options), its home made private and an admin token
+    in it when none is configured."""
+    from dsec.control.settings import Settings
+    from dsec.fsutil import private_dir
+
+    overrides: dict[str, object] = {"webhook_allow_private": webhook_allow_private}
+    if webhook_allowed_host:
+        overrides["webhook_allowed_hosts"] = tuple(webhook_allowed_host)
+    settings = Settings.from_env(**given, **overrides)
+    private_dir(settings.home)
+    if settings.admin_token is None:
+        settings = replace(settings, admin_token=_admin_token_file(settings.home))
+    return settings
+
+
+def _app(settings: Settings) -> Any:
+    """The control plane's app (exit 2 when its configuration or store is unusable)."""
+    from dsec.control.app import create_app
+    from dsec.control.store import StoreError
+
+    try:
+        return create_app(settings)
+    except (ConfigError, StoreError) as exc:
+        raise fail(exc, 2) from None

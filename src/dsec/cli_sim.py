@@ -52,41 +52,13 @@ def simulate(
     except ImportError:
         raise fail("the simulator needs numpy: pip install 'dsec[sim]'", 2) from None
     from dsec.sim.report import write_report
-    from dsec.sim.runner import REGIMES
-    from dsec.sim.runner import simulate as run_simulation
-    from dsec.sim.scenario import load_scenario, with_overrides
-    from dsec.sim.sweep import findings, points
-    from dsec.sim.sweep import sweep as run_sweep
 
-    settings = list(set_ or [])
-    settings += [f"duration_h={hours}"] if hours is not None else []
-    settings += [f"seed={seed}"] if seed is not None else []
-    try:
-        sc = with_overrides(load_scenario(scenario), settings)
-    except ConfigError as exc:
-        raise fail(str(exc), 2) from None
-    with bars(show_progress) as b:
-        task = b.task(f"simulating {sc.name}", total=sc.duration_h * len(REGIMES), unit="simulated h")
-        try:
-            comparison = run_simulation(sc, on_progress=task.update)
-        except ConfigError as exc:  # a policy file the scenario names
-            comparison, failed = None, str(exc)
-    if comparison is None:
-        raise fail(failed, 2)
+    sc = _scenario(scenario, set_, hours, seed)
+    comparison = _compare(sc, show_progress)
     _table(comparison)
     rows = None
     if sweep:
-        with bars(show_progress) as b:
-            b.note(f"sweep: {sweep_hours:g} simulated hours per point, both regimes each")
-            task = b.task("sweep", total=len(points(sc)), unit="points")
-
-            def progress(p: Any, row: dict[str, Any]) -> None:
-                b.note(f"  {p.parameter} = {p.value:g}: goodput ratio {row['goodput_ratio']}")
-                task.advance()
-
-            rows = run_sweep(sc, hours=sweep_hours, progress=progress)
-        for line in findings(rows):
-            out.print(f"[bold]sweep:[/] {line}")
+        rows = _sweep(sc, sweep_hours, show_progress)
     if not no_report:
         target = report or Path(f"dsec-sim-{sc.name}")
         path = write_report(comparison, target, rows)
@@ -99,6 +71,54 @@ def simulate(
             headline["sweep"] = rows
         sys.stdout.flush()
         print(json.dumps(headline), flush=True)
+
+
+def _scenario(scenario: Path, set_: list[str] | None, hours: float | None, seed: int | None) -> Any:
+    """The scenario file with the --set, --hours and --seed overrides (exit 2 when it is invalid)."""
+    from dsec.sim.scenario import load_scenario, with_overrides
+
+    settings = list(set_ or [])
+    settings += [f"duration_h={hours}"] if hours is not None else []
+    settings += [f"seed={seed}"] if seed is not None else []
+    try:
+        return with_overrides(load_scenario(scenario), settings)
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from None
+
+
+def _compare(sc: Any, show_progress: bool | None) -> Any:
+    """Both regimes on the scenario's fault trace (exit 2 when a policy file the scenario names is invalid)."""
+    from dsec.sim.runner import REGIMES
+    from dsec.sim.runner import simulate as run_simulation
+
+    with bars(show_progress) as b:
+        task = b.task(f"simulating {sc.name}", total=sc.duration_h * len(REGIMES), unit="simulated h")
+        try:
+            comparison = run_simulation(sc, on_progress=task.update)
+        except ConfigError as exc:  # a policy file the scenario names
+            comparison, failed = None, str(exc)
+    if comparison is None:
+        raise fail(failed, 2)
+    return comparison
+
+
+def _sweep(sc: Any, sweep_hours: float, show_progress: bool | None) -> list[dict[str, Any]]:
+    """The sensitivity sweep's rows; its findings printed."""
+    from dsec.sim.sweep import findings, points
+    from dsec.sim.sweep import sweep as run_sweep
+
+    with bars(show_progress) as b:
+        b.note(f"sweep: {sweep_hours:g} simulated hours per point, both regimes each")
+        task = b.task("sweep", total=len(points(sc)), unit="points")
+
+        def progress(p: Any, row: dict[str, Any]) -> None:
+            b.note(f"  {p.parameter} = {p.value:g}: goodput ratio {row['goodput_ratio']}")
+            task.advance()
+
+        rows = run_sweep(sc, hours=sweep_hours, progress=progress)
+    for line in findings(rows):
+        out.print(f"[bold]sweep:[/] {line}")
+    return rows
 
 
 def _publish(c: Any, report: Path) -> None:

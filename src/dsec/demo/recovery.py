@@ -58,26 +58,8 @@ def supervised_recovery(
     first run's snapshots carry), kill one rank once they have trained a few updates, let the supervisor heal the
     group, then stop them. Returns the recovery timings, what the survivor did meanwhile, and the PPO result."""
     world = int(ppo[ppo.index("--world-size") + 1])
-    script = ppo[1]
     stop = home / "recovery-stop"
-    job = JobFile.model_validate(
-        {
-            "job": "demo-ppo",
-            "pool": pool,
-            "snapshots": {"dir": env["DSEC_SNAPSHOT_DIR"], "interval_s": 1},
-            "restart": {"max_restarts": 2, "resume_timeout_s": 60, "admit_timeout_s": 60},
-            "groups": [
-                {
-                    "name": "default",
-                    "world_size": world,
-                    "memory_gb": 1,
-                    "heal": True,
-                    "command": [sys.executable, script, "--seed", "1", "--max-seconds", "60", "--log-every", "0",
-                                "--target-return", "100000", "--stop-file", str(stop)],
-                }
-            ],
-        }
-    )  # fmt: skip
+    job = _recovery_job(pool, world, ppo[1], env["DSEC_SNAPSHOT_DIR"], stop)
     base = {k: v for k, v in env.items() if k not in ("DSEC_CHAOS", "DSEC_SNAPSHOT_DIR", "DSEC_RESTORE")}
     launcher = LocalLauncher(base_env=base, log_dir=home / "launch")
     recoveries: list[Recovery] = []
@@ -124,10 +106,37 @@ def supervised_recovery(
         out["finished"] = sup.run(timeout_s=60)
     finally:
         sup.stop()
-    log = home / "launch" / "default-0.log"
-    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")] if log.exists() else []
-    out["ppo"] = json.loads(lines[-1]) if lines else {}
+    out["ppo"] = _ppo_result(home / "launch" / "default-0.log")
     return out
+
+
+def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: Path) -> JobFile:
+    """The PPO learners as one healing group ``default`` (the names the first run's snapshots carry), training until
+    ``stop`` exists."""
+    return JobFile.model_validate(
+        {
+            "job": "demo-ppo",
+            "pool": pool,
+            "snapshots": {"dir": snapshot_dir, "interval_s": 1},
+            "restart": {"max_restarts": 2, "resume_timeout_s": 60, "admit_timeout_s": 60},
+            "groups": [
+                {
+                    "name": "default",
+                    "world_size": world,
+                    "memory_gb": 1,
+                    "heal": True,
+                    "command": [sys.executable, script, "--seed", "1", "--max-seconds", "60", "--log-every", "0",
+                                "--target-return", "100000", "--stop-file", str(stop)],
+                }
+            ],
+        }
+    )  # fmt: skip
+
+
+def _ppo_result(log: Path) -> dict[str, Any]:
+    """The PPO script's last JSON line in rank 0's log ({} when there is none)."""
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")] if log.exists() else []
+    return json.loads(lines[-1]) if lines else {}
 
 
 def recovered(run: DemoRun, result: dict[str, Any]) -> bool:

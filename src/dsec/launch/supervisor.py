@@ -26,100 +26,21 @@ restart it from the snapshot on its new devices.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.client import ClientError
 from dsec.launch.base import Exit, Launcher, WorkerLaunch
 from dsec.launch.jobfile import JobFile
-from dsec.scheduler.inventory import synthesize
-from dsec.scheduler.placement import job_to_dict, place
+from dsec.launch.launches import free_port, place_job, worker_launches
+from dsec.launch.recovery import Recovery
+
+# Re-exported: callers import them from here (cli_launch.py, runner.py, the demo, tests, benchmarks).
+__all__ = ["Recovery", "Supervisor", "free_port", "place_job"]
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Recovery:
-    group: str
-    worker: str
-    code: int | None
-    reason: str  # exit | degraded-device | heal-timeout
-    detected_at: float
-    detect_s: float
-    stopped_at: float = 0.0  # restart: the group is stopped; heal: the death is reported
-    spawned_at: float = 0.0
-    resumed_at: float | None = None  # restart: every rank restored; heal: the replacement admitted
-    restore_s: float | None = None
-    restored: list[str] = field(default_factory=list)
-    devices: dict[str, str] = field(default_factory=dict)
-    mode: str = "restart"  # restart | heal
-    run: str | None = None  # heal: the healing run
-    reconfigured_at: float | None = None  # heal: the survivors' epoch without the dead rank formed
-    epoch: int | None = None  # heal: the epoch that admitted the replacement
-    report: dict[str, Any] | None = None  # heal: the death report, until the control plane took it
-
-    def timings(self) -> dict[str, Any]:
-        if self.mode == "heal":
-            return self._heal_timings()
-        out: dict[str, Any] = {
-            "group": self.group,
-            "worker": self.worker,
-            "exit_code": self.code,
-            "reason": self.reason,
-            "detect_s": round(self.detect_s, 4),
-            "stop_s": round(self.stopped_at - self.detected_at, 4),
-            "devices": self.devices,
-        }
-        if self.resumed_at is not None:
-            out["restart_s"] = round(self.resumed_at - (self.restore_s or 0.0) - self.spawned_at, 4)
-            out["restore_s"] = round(self.restore_s or 0.0, 4)
-            out["total_s"] = round(self.resumed_at - self.detected_at + self.detect_s, 4)
-            out["restored"] = self.restored
-        return out
-
-    def _heal_timings(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "mode": "heal",
-            "group": self.group,
-            "worker": self.worker,
-            "exit_code": self.code,
-            "reason": self.reason,
-            "run": self.run,
-            "detect_s": round(self.detect_s, 4),
-            "healthy_ranks_restarted": 0,
-            "devices": self.devices,
-        }
-        if self.reconfigured_at is not None:
-            out["reconfigure_s"] = round(max(0.0, self.reconfigured_at - self.stopped_at), 4)
-        if self.resumed_at is not None:
-            out["rejoin_s"] = round(max(0.0, self.resumed_at - self.spawned_at), 4)
-            out["total_s"] = round(self.resumed_at - self.detected_at + self.detect_s, 4)
-            out["epoch"] = self.epoch
-        return out
-
-
-def place_job(job: JobFile, client: Any = None) -> dict[str, Any]:
-    """Place a job file's workers: on the control plane's inventory (``client``: an admin Client), or offline on a
-    synthetic one-node inventory with a device per worker. RuntimeError when some worker cannot be placed."""
-    spec = job.spec()
-    if client is not None:
-        placement: dict[str, Any] = client.place(job_to_dict(spec))
-    else:
-        n = sum(len(g.workers) for g in spec.groups)
-        placement = place(spec, synthesize(nodes=1, gpus_per_node=n, numa_per_node=1)).to_dict()
-    if not placement["complete"]:
-        raise RuntimeError(f"job {job.job} cannot be placed: {placement['unplaced']}")
-    return placement
 
 
 class Supervisor:
@@ -180,54 +101,18 @@ class Supervisor:
     def _launches(
         self, group: str, restore: bool, ranks: list[int] | None = None, replacement: bool = False
     ) -> list[WorkerLaunch]:
-        g = self._group(group)
-        by_worker = {a["worker"]: a for a in self.placement["assignments"]}
-        port = str(free_port())
-        out = []
-        for rank in range(g.world_size) if ranks is None else ranks:
-            name = f"{g.name}-{rank}"
-            a = by_worker[name]
-            # Rendezvous defaults for a group on this machine; a job spread over machines (Ray) sets MASTER_ADDR
-            # and GLOO_SOCKET_IFNAME in its group's env, which win.
-            env = {
-                "MASTER_ADDR": "127.0.0.1",
-                "GLOO_SOCKET_IFNAME": "lo",
-                **g.env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(g.world_size),
-                "MASTER_PORT": port,
-                "DSEC_ROLE": g.role,
-                "DSEC_GROUP": g.name,
-                "DSEC_SANDBOX_ID": self.job.pool,
-            }
-            if self.job.snapshots.enabled:
-                env["DSEC_SNAPSHOT_DIR"] = str(self.job.snapshots.dir)
-            if self.assign_devices:
-                env["DSEC_DEVICE"] = str(a["device"])  # device health judges the devices workers report
-            if self.endpoint:
-                env["DSEC_ENDPOINT"] = self.endpoint
-            if self.pool_token:
-                env["DSEC_TOKEN"] = self.pool_token
-            if self.job.snapshots.enabled and self.job.snapshots.interval_s is not None:
-                env["DSEC_SNAPSHOT_INTERVAL_S"] = str(self.job.snapshots.interval_s)
-            if restore:
-                env["DSEC_RESTORE"] = "latest"
-            if group in self.runs:
-                env["DSEC_HEAL_RUN"] = self.runs[group]
-                if replacement:
-                    env["DSEC_HEAL_REPLACEMENT"] = "1"
-            device = str(a["device"]) if self.assign_devices else None
-            index = device.rsplit("gpu", 1)[-1] if device else ""
-            out.append(
-                WorkerLaunch(
-                    worker=name, group=g.name, role=g.role, rank=rank, world_size=g.world_size,
-                    command=tuple(g.command), env=env, device=device, node=a["node"],
-                    cpus=tuple(a["cpus"]) if self.assign_devices else (),
-                    gpu_index=int(index) if index.isdigit() else None,
-                )
-            )  # fmt: skip
-        return out
+        return worker_launches(
+            self.job,
+            self.placement,
+            self._group(group),
+            restore=restore,
+            ranks=ranks,
+            replacement=replacement,
+            runs=self.runs,
+            endpoint=self.endpoint,
+            pool_token=self.pool_token,
+            assign_devices=self.assign_devices,
+        )
 
     def start(self, restore: bool = False) -> None:
         """Place the job and start every group (``restore``: from the newest snapshots, e.g. after a crash of the

@@ -10,102 +10,35 @@ Encoding, delta, compression and the durable write run after the read, off the t
 At most one snapshot is in flight per snapshotter; requests made meanwhile coalesce into one follow-up snapshot,
 started by the next :meth:`poll` or :meth:`take` after the current one is published (the probe polls at every
 optimizer step). Nothing here sleeps on the training thread except that step gate.
+
+What is copied at ``take()``: capture.py; the write path: writer.py; the restore side: restorer.py.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zstandard
 
-from dsec.jsonsafe import json_safe as _json_safe
-from dsec.snapshot import codec, writer
-from dsec.snapshot.manifest import CorruptSnapshot
-from dsec.snapshot.reader import Fallback, Loaded, load, load_latest, read_manifest
+from dsec.snapshot import codec, restorer, writer
+from dsec.snapshot.capture import capture, unwrap
+from dsec.snapshot.jobs import RestoreReport, Ticket, _Item, _Job
+from dsec.snapshot.reader import Fallback, Loaded, load, load_latest
+from dsec.snapshot.restorer import replay_metadata
 from dsec.snapshot.retention import collect_garbage
 from dsec.snapshot.store import SnapshotStore, check_worker
 
-if TYPE_CHECKING:
-    import torch
-
 log = logging.getLogger(__name__)
 
-SYNC_COPY_NUMEL = 65_536  # tensors smaller than this are copied in take(): cheaper than coordinating
 EventSink = Callable[[str, dict[str, Any]], None]
 
-
-@dataclass
-class Ticket:
-    """A snapshot request. ``done`` is set when it is published (``seq``) or failed (``error``)."""
-
-    requests: list[str] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-    seq: int | None = None
-    error: str | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-    blocking_s: float = 0.0  # take() + waits at the step gate; final once the next optimizer step has begun
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.done.wait(timeout)
-
-
-@dataclass
-class RestoreReport:
-    seq: int
-    step: int | None
-    restore_s: float
-    lossless: bool
-    skipped: list[tuple[int, str]]
-
-    def as_event(self, worker: str) -> dict[str, Any]:
-        return {
-            "id": f"{worker}/{self.seq}",
-            "step": self.step,
-            "restore_s": round(self.restore_s, 4),
-            "lossless": self.lossless,
-            "skipped": [{"id": f"{worker}/{s}", "reason": r} for s, r in self.skipped],
-        }
-
-
-@dataclass
-class _Item:
-    name: str
-    tensor: torch.Tensor
-    bits: int
-    sqrt: bool
-    lazy: bool
-
-
-@dataclass
-class _Job:
-    seq: int
-    kind: str
-    parent: int | None
-    base: int
-    step: int | None
-    mode: codec.Mode  # as captured: a level change while this one is written applies to the next
-    meta: dict[str, Any]
-    items: list[_Item]
-    carried: dict[str, dict[str, Any]]
-    ticket: Ticket
-    staged: threading.Event = field(default_factory=threading.Event)
-    started: float = field(default_factory=time.perf_counter)
-
-
-def _unwrap(module: Any) -> Any:
-    """DDP / DataParallel wrap the user's module in ``.module``; snapshot the inner one so names are stable."""
-    inner = getattr(module, "module", None)
-    return (
-        inner if inner is not None and type(module).__name__ in ("DistributedDataParallel", "DataParallel") else module
-    )
+# Re-exported: callers import them from here (dsec.snapshot, writer.py).
+__all__ = ["EventSink", "RestoreReport", "Snapshotter", "Ticket", "_Item", "_Job", "replay_metadata"]
 
 
 class Snapshotter:
@@ -172,7 +105,7 @@ class Snapshotter:
             # The gate: a step may not change tensors the snapshot thread is still reading.
             self._hooks.append(obj.register_step_pre_hook(lambda *_: self._before_step()))
         elif hasattr(obj, "named_parameters") and hasattr(obj, "named_buffers"):
-            self._modules[name] = _unwrap(obj)
+            self._modules[name] = unwrap(obj)
         else:
             raise TypeError(
                 f"cannot snapshot {type(obj).__name__}: register a module, an optimizer, or use "
@@ -268,75 +201,26 @@ class Snapshotter:
 
     # -- capture (training thread) ------------------------------------------------------------------------
     def _capture(self, step: int | None, ticket: Ticket) -> _Job:
-        import torch
-
+        """The job of a snapshot taken now (what is copied and what only referenced: capture.py)."""
         base = self._last_seq is None or self._force_base or self._since_base + 1 >= self.base_every
         self._force_base = False
         kind = "base" if base else "delta"
         mode = self.mode
-        items: list[_Item] = []
-        gated = self._gated()
-        seen: dict[int, str] = {}
-
-        def add(name: str, t: torch.Tensor, bits: int, sqrt: bool = False) -> None:
-            lazy = id(t) in gated and t.numel() >= SYNC_COPY_NUMEL
-            items.append(_Item(name, t if lazy else t.detach().clone(), bits, sqrt, lazy))
-
-        for mname, mod in self._modules.items():
-            for pname, p in mod.named_parameters():
-                seen[id(p)] = f"{mname}/{pname}"
-                add(f"{mname}/{pname}", p, mode.weight_bits)
-            for bname, b in mod.named_buffers():
-                add(f"{mname}/{bname}", b, 32)
-        meta: dict[str, Any] = {"rng": _rng_state(), "state": {}, "optimizers": {}}
-        carried: dict[str, dict[str, Any]] = {}
-        for oname, opt in self._optimizers.items():
-            params = [p for g in opt.param_groups for p in g["params"]]
-            refs: list[str] = []
-            for i, p in enumerate(params):
-                if id(p) not in seen:
-                    seen[id(p)] = f"{oname}/param/{i}"
-                    add(seen[id(p)], p, mode.weight_bits)
-                refs.append(seen[id(p)])
-            sd = opt.state_dict()
-            ometa: dict[str, Any] = {"params": refs, "param_groups": _json_safe(sd["param_groups"]), "scalars": {}}
-            refresh = mode.optimizer != "drop" and (base or mode.optimizer_in_deltas)
-            if refresh:
-                for idx, st in sd["state"].items():
-                    for key, value in st.items():
-                        name = f"{oname}/state/{idx}/{key}"
-                        if isinstance(value, torch.Tensor):
-                            add(name, value, mode.optimizer_bits, sqrt=True)
-                        else:
-                            ometa["scalars"][name] = _json_safe(value)
-            elif mode.optimizer != "drop":
-                prefix = f"{oname}/state/"
-                carried.update({k: v for k, v in self._last_entries.items() if k.startswith(prefix)})
-                ometa["scalars"] = self._last_meta.get("optimizers", {}).get(oname, {}).get("scalars", {})
-                ometa["carried_from"] = self._last_base
-            meta["optimizers"][oname] = ometa
-        for sname, (get, _set) in self._states.items():
-            meta["state"][sname] = get()
-        if "torch" in meta["rng"]:
-            items.append(_Item("rng/torch", meta["rng"].pop("torch"), 32, False, False))
-        for i, cuda_state in enumerate(meta["rng"].pop("cuda", [])):
-            items.append(_Item(f"rng/cuda/{i}", cuda_state, 32, False, False))
+        items, meta, carried = capture(
+            self._modules,
+            self._optimizers,
+            self._states,
+            mode,
+            base,
+            self._last_entries,
+            self._last_meta,
+            self._last_base,
+        )
         seq = self._next_seq
         self._next_seq += 1
         base_seq = seq if base else self._last_base
         assert base_seq is not None
         return _Job(seq, kind, None if base else self._last_seq, base_seq, step, mode, meta, items, carried, ticket)
-
-    def _gated(self) -> set[int]:
-        """Ids of the tensors the step gate holds: parameters and state of registered optimizers change only inside
-        step(), which the gate holds back."""
-        import torch
-
-        gated: set[int] = set()
-        for opt in self._optimizers.values():
-            gated.update(id(p) for g in opt.param_groups for p in g["params"])
-            gated.update(id(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-        return gated
 
     # -- background thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -426,15 +310,7 @@ class Snapshotter:
     def manifest_steps(self) -> list[tuple[int, int]]:
         """(seq, step) of this worker's snapshots that record a step, newest first. Reads the manifests only:
         whether the snapshot verifies is only known once it is :meth:`load`-ed."""
-        out: list[tuple[int, int]] = []
-        for seq in reversed(self.store.manifests(self.worker)):
-            try:
-                step = read_manifest(self.store, self.worker, seq).get("step")
-            except CorruptSnapshot:
-                continue
-            if isinstance(step, int) and not isinstance(step, bool):
-                out.append((seq, step))
-        return out
+        return restorer.manifest_steps(self.store, self.worker)
 
     def load(self, seq: int) -> Loaded:
         """Snapshot ``seq`` of this worker, rebuilt and verified (raises CorruptSnapshot); nothing is applied."""
@@ -463,91 +339,13 @@ class Snapshotter:
         return report
 
     def apply(self, loaded: Loaded) -> None:
-        """Write a loaded snapshot into the registered modules, optimizers, user state and RNGs."""
-        import torch
-
-        m = loaded.manifest
-        tensors = loaded.decode_all()
-        by_name: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for mname, mod in self._modules.items():
-                for pname, t in (*mod.named_parameters(), *mod.named_buffers()):
-                    name = f"{mname}/{pname}"
-                    if name not in tensors:
-                        raise CorruptSnapshot(f"snapshot has no tensor {name}: was it taken from another model?")
-                    value = tensors[name]
-                    if tuple(value.shape) != tuple(t.shape):
-                        raise CorruptSnapshot(f"tensor {name}: shape {list(value.shape)} != model's {list(t.shape)}")
-                    t.copy_(value)
-                    by_name[name] = t
-            for oname, opt in self._optimizers.items():
-                ometa = m["meta"]["optimizers"].get(oname)
-                if ometa is None:
-                    raise CorruptSnapshot(f"snapshot has no optimizer {oname}")
-                params = [p for g in opt.param_groups for p in g["params"]]
-                if len(params) != len(ometa["params"]):
-                    raise CorruptSnapshot(
-                        f"optimizer {oname}: {len(params)} parameters, snapshot has {len(ometa['params'])}"
-                    )
-                for p, ref in zip(params, ometa["params"], strict=False):
-                    if ref not in by_name:
-                        p.copy_(tensors[ref].to(p.device))
-                self._load_optimizer(opt, oname, ometa, m, tensors)
-        for sname, (_get, set_) in self._states.items():
-            if sname in m["meta"]["state"]:
-                set_(m["meta"]["state"][sname])
-        rng = dict(m["meta"]["rng"])
-        if "rng/torch" in tensors:
-            rng["torch"] = tensors["rng/torch"]
-        cuda = sorted(n for n in tensors if n.startswith("rng/cuda/"))
-        if cuda:
-            rng["cuda"] = [tensors[n] for n in cuda]
-        _set_rng_state(rng)
+        """Write a loaded snapshot into the registered modules, optimizers, user state and RNGs (restorer.py)."""
+        restorer.apply(loaded, self._modules, self._optimizers, self._states)
 
     def catch_up(self, oname: str) -> None:
         """Load the restored snapshot's state into optimizer ``oname``, registered after the restore (a script
         that builds its optimizers one by one); its parameters too, when no registered module holds them."""
-        import torch
-
-        loaded = self.restored
-        opt = self._optimizers[oname]
-        if loaded is None:
-            return
-        m = loaded.manifest
-        ometa = m["meta"]["optimizers"].get(oname)
-        if ometa is None:
-            raise CorruptSnapshot(f"snapshot has no optimizer {oname}")
-        held = {f"{mn}/{pn}" for mn, mod in self._modules.items() for pn, _ in mod.named_parameters()}
-        needed = [n for n in m["tensors"] if n.startswith(f"{oname}/state/")] + [
-            r for r in ometa["params"] if r not in held
-        ]
-        tensors = {n: loaded.tensor(n) for n in needed}
-        params = [p for g in opt.param_groups for p in g["params"]]
-        with torch.no_grad():
-            for p, ref in zip(params, ometa["params"], strict=False):
-                if ref in tensors:
-                    p.copy_(tensors[ref].to(p.device))
-        self._load_optimizer(opt, oname, ometa, m, tensors)
-
-    def _load_optimizer(
-        self, opt: Any, oname: str, ometa: dict[str, Any], manifest: dict[str, Any], tensors: dict[str, Any]
-    ) -> None:
-        current = opt.state_dict()
-        state: dict[int, dict[str, Any]] = {}
-        prefix = f"{oname}/state/"
-        for name in manifest["tensors"]:
-            if name.startswith(prefix):
-                idx, key = name[len(prefix) :].split("/", 1)
-                state.setdefault(int(idx), {})[key] = tensors[name]
-        for name, value in ometa.get("scalars", {}).items():
-            idx, key = name[len(prefix) :].split("/", 1)
-            state.setdefault(int(idx), {})[key] = value
-        groups = current["param_groups"]
-        for group, saved in zip(groups, ometa["param_groups"], strict=False):
-            for key, value in saved.items():
-                if key != "params" and value is not None and isinstance(group.get(key), (int, float, bool)):
-                    group[key] = value
-        opt.load_state_dict({"state": state, "param_groups": groups})
+        restorer.catch_up(self.restored, oname, self._optimizers[oname], self._modules)
 
     def list(self) -> list[dict[str, Any]]:
         from dsec.snapshot.retention import listing
@@ -576,45 +374,3 @@ class Snapshotter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _rng_state() -> dict[str, Any]:
-    import torch
-
-    version, internal, gauss = random.getstate()
-    out: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
-    if "numpy" in sys.modules:
-        state: Any = np.random.get_state(legacy=True)
-        name, keys, pos, has_gauss, cached = state
-        out["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def _set_rng_state(rng: dict[str, Any]) -> None:
-    import torch
-
-    if "python" in rng:
-        version, internal, gauss = rng["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "numpy" in rng:
-        name, keys, pos, has_gauss, cached = rng["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def replay_metadata(storage: Any, size: int, pointer: int) -> dict[str, Any]:
-    """Replay-buffer metadata for ``register_state``: size, write pointer and a content hash of the first
-    ``size`` entries, instead of the contents (a restored buffer refills; the hash says whether it matches)."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=16)
-    arr = storage[:size]
-    if hasattr(arr, "detach"):
-        arr = arr.detach().cpu().numpy()
-    h.update(np.ascontiguousarray(arr).tobytes())
-    return {"size": int(size), "pointer": int(pointer), "hash": h.hexdigest()}
