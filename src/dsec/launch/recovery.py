@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ class Recovery:
     run: str | None = None  # heal: the healing run
     reconfigured_at: float | None = None  # heal: the survivors' epoch without the dead rank formed
     epoch: int | None = None  # heal: the epoch that admitted the replacement
+    without_epoch: int | None = None  # heal: the survivors' epoch without the dead rank (formed, members known)
     report: dict[str, Any] | None = None  # heal: the death report, until the control plane took it
 
     def timings(self) -> dict[str, Any]:
@@ -66,3 +68,25 @@ class Recovery:
             out["total_s"] = round(self.resumed_at - self.detected_at + self.detect_s, 4)
             out["epoch"] = self.epoch
         return out
+
+
+def rank_rejoined(rec: Recovery, rank: int, state: dict[str, Any]) -> bool:
+    """Whether the healing group's ``state`` (GET /v1/heal/{run}) shows ``rank``'s replacement admitted; notes the
+    survivors' reconfiguration in ``rec`` on the way.
+
+    Admitted: a stable epoch that has ``rank`` as a member *and* either admitted it (its plan's joiners) or comes
+    after the survivors' epoch without it. ``rank`` among the members alone is not enough: a control plane restarted
+    during healing rebuilds the group from the members' own views, which still list the dead rank, so the old
+    incarnation's membership would read as the replacement's admission (it did, in a test run under load: the
+    supervisor recorded a heal that never happened and the job stopped while the replacement waited)."""
+    if state.get("phase") != "stable":
+        return False
+    members = state.get("members") or []
+    epoch = int(state.get("epoch") or 0)
+    if rank not in members:
+        if members and rec.without_epoch is None:
+            rec.reconfigured_at = float(state.get("formed_at") or time.time())
+            rec.without_epoch = epoch
+        return False
+    joiners = (state.get("plan") or {}).get("joiners") or []
+    return rank in joiners or (rec.without_epoch is not None and epoch > rec.without_epoch)

@@ -35,7 +35,7 @@ from dsec.client import ClientError
 from dsec.launch.base import Exit, Launcher, WorkerLaunch
 from dsec.launch.jobfile import JobFile
 from dsec.launch.launches import free_port, place_job, worker_launches
-from dsec.launch.recovery import Recovery
+from dsec.launch.recovery import Recovery, rank_rejoined
 
 # Re-exported: callers import them from here (cli_launch.py, runner.py, the demo, tests, benchmarks).
 __all__ = ["Recovery", "Supervisor", "free_port", "place_job"]
@@ -249,10 +249,7 @@ class Supervisor:
                 state = self._heal_request(rec.group, "GET", "")
             except Exception:
                 continue
-            members = state.get("members") or []
-            if rec.reconfigured_at is None and rank not in members:
-                rec.reconfigured_at = float(state.get("formed_at") or time.time())
-            elif rec.reconfigured_at is not None and rank in members:
+            if rank_rejoined(rec, rank, state):
                 rec.resumed_at = float(state.get("formed_at") or time.time())
                 rec.epoch = int(state.get("epoch") or 0)
                 del self._healing[worker]
