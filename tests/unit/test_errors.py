@@ -71,7 +71,7 @@ def test_no_exception_class_derives_from_builtins_alone() -> None:
         ("dsec.probe.heal_client.HealUnavailable", HealingError, Exception),
         ("dsec.probe.heal_client.FencedOut", HealingError, Exception),
         ("dsec.probe.heal_ops.NotHealable", HealingError, RuntimeError),
-        ("dsec.probe.elastic.Diverged", HealingError, RuntimeError),
+        ("dsec.probe.epoch.Diverged", HealingError, RuntimeError),
         ("dsec.probe.replica_state.TransferError", HealingError, Exception),
         ("dsec.control.errors.ApiError", DsecError, Exception),
         ("dsec.integrations.native.NativeLibraryNotFound", DsecError, FileNotFoundError),

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from dsec.probe.ddp import SyncCoordinator, measured_hook
+from dsec.probe.ddp import SyncCoordinator
+from dsec.probe.ddp_patch import patch_ddp
 from dsec.probe.manual_sync import ManualSync
 from dsec.probe.torch_targets import (
     COLLECTIVES,
@@ -30,7 +31,6 @@ from dsec.probe.torch_targets import (
     grad_norm,
     init_healing,
     tensor_bytes,
-    unannotated,
 )
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class TorchInstrumentation:
             self._patch(dist, "init_process_group", self._wrap_init(dist.init_process_group))
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self._patch_ddp(DDP)
+            patch_ddp(self, DDP)
         import torch.optim.optimizer as optim_mod
 
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init(torch.optim.Optimizer.__init__))
@@ -247,74 +247,6 @@ class TorchInstrumentation:
         return wrapper
 
     # -- DDP --------------------------------------------------------------------------------------------
-    def _patch_ddp(self, ddp_cls: type) -> None:
-        inst = self
-        original_register = ddp_cls.register_comm_hook  # type: ignore[attr-defined]
-        original_forward = ddp_cls.forward  # type: ignore[attr-defined]
-
-        def register_comm_hook(self: Any, state: Any, hook: Callable[..., Any]) -> Any:
-            if getattr(self, "_dsec_hooked", False):
-                raise RuntimeError("register_comm_hook must be called before the first forward under dsec")
-            if inst.probe.healing is not None:
-                from dsec.probe.heal_ops import NotHealable
-
-                raise NotHealable("dsec healing carries the gradient sync itself: a user comm hook cannot be used")
-            self._dsec_hooked = True
-            inst.probe.actuators.collectives_locked = True
-            for field in ("compression_bits", "grad_accum_steps"):
-                inst.probe.actuators.refuse(field, "a user comm hook controls this DDP model's gradient sync")
-            inst.probe.event(
-                "alert",
-                reason="user_comm_hook",
-                message="a user comm hook is registered: dsec measures it but cannot compress "
-                "or accumulate gradients for this model",
-            )
-            return original_register(self, state, unannotated(measured_hook(hook, inst.probe.telemetry)))
-
-        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_dsec_hooked", True):
-                inst._install_coordinator(self, original_register)
-            return original_forward(self, *args, **kwargs)
-
-        original_init = ddp_cls.__init__  # type: ignore[misc]
-
-        def init(self: Any, *args: Any, **kwargs: Any) -> None:
-            original_init(self, *args, **kwargs)
-            self._dsec_hooked = False
-            inst.probe.activity("ddp")
-            inst.probe.replicas.add_module(self)
-            if inst.probe.healing is not None:
-                inst.probe.healing.after_ddp_init(self)
-            inst._snapshots("on_module", self)
-
-        self._patch(ddp_cls, "__init__", init)
-        self._patch(ddp_cls, "register_comm_hook", register_comm_hook)
-        self._patch(ddp_cls, "forward", forward)
-        self._patch(ddp_cls, "zero_grad", self._gate(ddp_cls.zero_grad, "zero_grad"))  # type: ignore[attr-defined]
-
-    def _install_coordinator(self, ddp: Any, register: Callable[..., Any]) -> None:
-        ddp._dsec_hooked = True
-        healing = self.probe.healing
-        try:
-            make: Callable[..., SyncCoordinator] = (
-                functools.partial(healing.coordinator, ddp) if healing is not None else SyncCoordinator
-            )
-            coord = make(
-                actuators=self.probe.actuators,
-                telemetry=self.probe.telemetry,
-                process_group=ddp.process_group,
-                collectives=self.originals,
-                block=self.probe.config.block_size,
-                error_feedback=self.probe.config.error_feedback,
-                chaos=self.probe.chaos,
-                # One guard per process: it covers every DDP model and optimizer; the first model's header carries it.
-                guard=None if self.coordinators else self.probe.replicas,
-            )
-            register(ddp, None, unannotated(coord.hook))
-            self.coordinators.append(coord)
-        except Exception:
-            log.warning("dsec: could not install the DDP comm hook; gradient sync is not measured", exc_info=True)
-
     # -- optimizer and accumulation gating --------------------------------------------------------------
     def accumulating(self) -> bool:
         """True while a gradient-accumulation cycle is open (the last backward did not synchronize)."""

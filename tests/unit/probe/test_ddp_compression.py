@@ -13,7 +13,7 @@ dist = pytest.importorskip("torch.distributed")
 from dsec.probe.actuators import Actuators  # noqa: E402
 from dsec.probe.ddp import HEADER_BYTES, SyncCoordinator, chunk_bytes  # noqa: E402
 from dsec.probe.telemetry import Telemetry  # noqa: E402
-from dsec.probe.torch_hooks import unannotated  # noqa: E402
+from dsec.probe.torch_targets import unannotated  # noqa: E402
 
 
 @pytest.fixture
