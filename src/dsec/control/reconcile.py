@@ -12,7 +12,7 @@ from dsec.control.beats import Beats
 from dsec.control.directives import Directives
 from dsec.control.eventlog import DurableLog
 from dsec.control.judge import Judge
-from dsec.control.liveness import Beat, overdue
+from dsec.control.liveness import overdue
 from dsec.control.policies import PolicyRunner
 from dsec.control.ports import Clock
 from dsec.control.scheduling import Scheduler
@@ -103,8 +103,7 @@ class Reconciler:
 
     async def _mark_lost(self) -> list[str]:
         now = self.clock()
-        beats = [Beat(w.id, w.state, w.last_beat_at, w.info.heartbeat_interval_s) for w in self.state.workers.values()]
-        lost = overdue(beats, now, self.settings.lost_after_beats)
+        lost = overdue(self.state.workers.values(), now, self.settings.lost_after_beats)
         if not lost:
             return []
         events, rows = [], []

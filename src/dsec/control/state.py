@@ -90,6 +90,14 @@ class LiveWorker:
     def pool(self) -> str:
         return self.info.pool
 
+    @property
+    def worker_id(self) -> str:  # liveness.Beating
+        return self.id
+
+    @property
+    def interval_s(self) -> float:  # liveness.Beating: its own heartbeat interval
+        return self.info.heartbeat_interval_s
+
     def merged_metrics(self, new: Mapping[str, float], max_age: int) -> AgedMetrics:
         """The metrics after the worker's next beat carries ``new`` (see ``AgedMetrics.merged``). Metrics loaded
         from the store or set as a plain mapping count as sent in the latest beat."""
