@@ -26,7 +26,6 @@ waiting on it fail at once; the others learn it from the control plane's watch (
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.heal.membership import Plan
 from dsec.heal.sequence import Sequence
+from dsec.probe import epoch_setup as setup
 from dsec.probe.epoch import Diverged, Epoch, Op, Pending, State, signature
 from dsec.probe.heal_client import FencedOut, HealClient, HealUnavailable
 from dsec.probe.replica_state import ReplicaState, TransferError
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-TAG_RESULT = 7_002
 
 
 class ElasticGroup:
@@ -65,7 +63,6 @@ class ElasticGroup:
     ) -> None:
         import torch.distributed as dist
 
-        self._dist: Any = dist
         self.client = client
         self.rank, self.world = rank, world
         self.replacement = replacement
@@ -73,9 +70,8 @@ class ElasticGroup:
         self._on_event = on_event
         self._capture_state = capture_state
         self._receive_state = receive_state
-        self._server = self._dist.TCPStore(host, 0, None, True, timeout=self.timeout, wait_for_workers=False)
-        self.address = f"{host}:{self._server.port}"
-        self._stores: dict[str, Any] = {}
+        self._rendezvous = setup.Rendezvous(dist, host, self.timeout)
+        self.address = self._rendezvous.address
         self.plan: Plan | None = None  # the current epoch's (set up here)
         self._seen_plan: Plan | None = None  # the newest one received (maybe not set up: its setup failed)
         self.ep: Epoch | None = None
@@ -96,10 +92,7 @@ class ElasticGroup:
         self._closed = False
         self.graveyard: list[Any] = []  # abandoned process groups (never destroyed: a stuck op would block it)
         self.heals: list[dict[str, Any]] = []  # timings of each reconfiguration (for reports and tests)
-        journal = os.environ.get("DSEC_HEAL_JOURNAL")  # a directory: one line per op (debugging a group's order)
-        if journal:
-            os.makedirs(journal, exist_ok=True)
-        self._journal = open(os.path.join(journal, f"ops-{os.getpid()}.log"), "a", buffering=1) if journal else None  # noqa: SIM115
+        self._journal = setup.open_journal()  # DSEC_HEAL_JOURNAL: one line per op (debugging a group's order)
         self._heal_thread = threading.Thread(target=self._heal_loop, name="dsec-heal", daemon=True)
         self._watch_thread = threading.Thread(target=self._watch_loop, name="dsec-heal-watch", daemon=True)
 
@@ -230,18 +223,7 @@ class ElasticGroup:
 
     # -- watch thread -----------------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
-        since = 0
-        while not self._closed:
-            try:
-                view = self.client.watch(since, timeout=10.0)
-            except (HealUnavailable, FencedOut):
-                return
-            except Exception:
-                log.debug("dsec: heal watch failed", exc_info=True)
-                time.sleep(0.2)
-                continue
-            since = int(view.get("version", since))
-            self.on_view(view)
+        setup.watch(self.client, lambda: self._closed, self.on_view)
 
     def on_view(self, view: dict[str, Any]) -> None:
         with self._lock:
@@ -269,18 +251,8 @@ class ElasticGroup:
                 p = self._queue.pop(0)
             try:
                 self._heal(p)
-            except FencedOut as exc:
-                self._event("fenced", {"why": str(exc)})
-                p.fut.set_exception(RuntimeError(f"dsec: this process was fenced out of its group: {exc}"))
-            except HealUnavailable as exc:
-                self._event("unavailable", {"why": str(exc)})
-                p.fut.set_exception(RuntimeError(f"dsec: cannot heal, the control plane is unreachable: {exc}"))
-            except Diverged as exc:
-                self._event("diverged", {"why": str(exc)})
-                p.fut.set_exception(exc)
             except Exception as exc:
-                log.exception("dsec: healing failed")
-                p.fut.set_exception(RuntimeError(f"dsec: healing failed: {type(exc).__name__}: {exc}"))
+                p.fut.set_exception(setup.heal_failure(exc, self._event))
 
     def _heal(self, p: Pending) -> None:
         t0 = time.monotonic()
@@ -357,18 +329,9 @@ class ElasticGroup:
         self._seen_plan = plan
         return plan
 
-    def _store(self, address: str) -> Any:
-        store = self._stores.get(address)
-        if store is None:
-            host, _, port = address.rpartition(":")
-            store = self._dist.TCPStore(host, int(port), None, False, timeout=self.timeout)
-            self._stores[address] = store
-        return store
-
     def _adopt(self, plan: Plan, p: Pending | None) -> list[torch.Tensor] | None:
         """Build the plan's process group and do its transfers. Returns the interrupted op's result when this
         member was one behind (it received it from the source)."""
-        dist = self._dist
         members = plan.members
         if self.rank not in members:
             raise FencedOut(f"rank {self.rank} is not a member of epoch {plan.epoch}")
@@ -378,31 +341,22 @@ class ElasticGroup:
                 f" ({signature(p.op) if p is not None else '?'} here):"
                 " their scripts took different paths, no process group can pair them again"
             )
-        prefix = f"dsec/{self.client.me.run}/e{plan.epoch}"
-        pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, self._store(plan.store)), members.index(self.rank), len(members), self.timeout
-        )
+        pg = self._rendezvous.group(self.client.me.run, plan, self.rank)
         received: list[torch.Tensor] | None = None
         src = members.index(plan.source)
         if self.rank == plan.source:
             if plan.behind:
                 assert self._last is not None and self._last[0] == plan.completed - 1
-                for r in plan.behind:
-                    for t in self._last[1]:
-                        pg.send([t.contiguous()], members.index(r), TAG_RESULT).wait()
+                setup.send_result(pg, plan, self._last[1])
             if plan.joiners and self._capture_state is not None:
                 state = self._capture_state()
-                state.meta["counters"].update(self._counters(plan))
+                state.meta["counters"].update(setup.sequence_counters(plan, self.seq, self.seniority))
                 send_state(state, pg, [members.index(r) for r in plan.joiners])
         elif self.rank in plan.behind and p is not None:
-            received = [t.clone() for t in p.op.result()]
-            for t in received:
-                pg.recv([t], src, TAG_RESULT).wait()
+            received = setup.receive_result(pg, src, p.op.result())
         elif self.rank in plan.joiners:
             state = recv_state(pg, src)
-            counters = state.meta["counters"]
-            self.seq = Sequence.inherit(list(counters["pattern"]), base=int(counters["position"]))
-            self.seniority = {int(k): int(v) for k, v in counters["seniority"].items()}
+            self.seq, self.seniority = setup.inherited(state.meta["counters"])
             self.shadow_period = self.seq.period
             if self._receive_state is not None:
                 self._receive_state(state, plan)
@@ -425,14 +379,6 @@ class ElasticGroup:
         if self.rank in plan.joiners and not self._watch_thread.is_alive():
             self._watch_thread.start()
         return received
-
-    def _counters(self, plan: Plan) -> dict[str, Any]:
-        return {
-            "completed": plan.completed,
-            "position": self.seq.position,
-            "pattern": self.seq.pattern(),
-            "seniority": {str(r): e for r, e in self.seniority.items()},
-        }
 
     # -- header support (sync_header.py / heal mode of the comm hook) -------------------------------------------
     def next_admission(self) -> int | None:
