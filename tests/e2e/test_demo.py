@@ -19,6 +19,7 @@ SCENES = (
     "stuck episodes",
     "4-bit gradient compression",
     "liveness",
+    "roles inferred",
     "Prometheus /metrics",
     "policy engine",
     "webhooks",

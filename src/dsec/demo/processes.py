@@ -13,9 +13,10 @@ from dsec.demo.state import Proc
 
 
 def spawn(name: str, role: str, command: list[str], env: dict[str, str], logdir: Path) -> Proc:
-    """``command`` under `dsec run`: the probe is injected into every Python process it starts."""
+    """``command`` under `dsec run`: the probe is injected into every Python process it starts. No ``--role``: the probe
+    infers each process's role from what it does (``role`` is the demo's own bookkeeping, checked by a scene)."""
     log = logdir / f"{name}.log"
-    dsec = [sys.executable, "-m", "dsec.cli", "run", "--role", role, "--"]
+    dsec = [sys.executable, "-m", "dsec.cli", "run", "--"]
     with log.open("wb") as fh:
         # A session of its own: killing the group reaches the launcher and every process it started.
         popen = subprocess.Popen(

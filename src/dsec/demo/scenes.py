@@ -175,6 +175,21 @@ HEADLINE_METRICS = (
     "dsec_melt_down_count",
 )
 
+
+def _roles_inferred(run: DemoRun) -> bool:
+    """Every process was started without --role: each worker's role comes from what it did (role_inferred)."""
+    seen: dict[str, str] = {}
+    for w in run.worker_ids():
+        events = run.client.all_events(worker_id=w["id"], types=["role_inferred"])
+        if events:
+            rule = events[-1]["data"].get("evidence", {}).get("rule", "?")
+            seen[f"{w['role']} {w['id']}"] = str(rule)
+    if seen:
+        run.notes.append("roles inferred, no --role given: " + "; ".join(f"{k} ({v})" for k, v in sorted(seen.items())))
+    roles = [k.split(" ", 1)[0] for k in seen]
+    return roles.count("learner") >= 2 and "actor" in roles
+
+
 SCENES = [
     Scene(
         "circuit breaker: 150 ms injected into rank 0's sync -> only rank 0 degrades, then recovers to level 0",
@@ -195,6 +210,12 @@ SCENES = [
         _compressed,
     ),
     Scene("liveness: a worker killed -9 becomes 'lost'", 0.3, _kill_actor, _actor_lost),
+    Scene(
+        "roles inferred: no --role given; learners from synchronized optimizer steps, the actor from env steps",
+        0.0,
+        lambda run: True,
+        _roles_inferred,
+    ),
     Scene("Prometheus /metrics carries the four headline gauges per pool", 0.45, _scrape, _scraped),
     Scene(
         "policy engine: example policies loaded; a meltdown makes a rule lower the pool's latency cap (audited)",

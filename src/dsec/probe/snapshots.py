@@ -17,7 +17,8 @@ Nothing verifies anywhere: nothing is restored and a ``restore`` event with stat
 never resume at different steps.
 
 Environment: DSEC_SNAPSHOT_DIR (off when unset), DSEC_RESTORE (latest | N), DSEC_SNAPSHOT_NAME (default
-``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots),
+``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots; under ``--role auto``
+the role in it is ``learner``),
 DSEC_SNAPSHOT_INTERVAL_S (a job's own period; it wins over the directive's ``snapshot_interval_s``).
 """
 
@@ -84,7 +85,11 @@ class ProbeSnapshots:
 
             cfg = self.probe.config.reporter
             rank = self.probe.rank
-            name = self.name or f"{cfg.group}-{cfg.role}-{rank}"
+            # Under --role auto the role is not known yet when the first model or optimizer is built; a process with
+            # something to snapshot trains it, and an optimizer step makes it a learner (probe/roles.py). Naming it
+            # so keeps the name stable across restarts and launchers (`dsec launch` groups are learners by default).
+            role = "learner" if self.probe.config.infer_role else cfg.role
+            name = self.name or f"{cfg.group}-{role}-{rank}"
             level = self.probe.actuators.snapshot_compression_level
             self.snapshotter = Snapshotter(
                 LocalDirStore(self.root), name, level=2 if level is None else int(level), on_event=self._event
