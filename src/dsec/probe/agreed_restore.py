@@ -23,6 +23,7 @@ status ``none`` says why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,9 @@ class Agreement:
     message: str = ""
 
 
-def agree(snap: Snapshotter, pg: Any, at_most: int | None, on_skipped: Any, where: str) -> Agreement:
+def agree(
+    snap: Snapshotter, pg: Any, at_most: int | None, on_skipped: Callable[[int, str], None], where: str
+) -> Agreement:
     """Run the agreement on process group ``pg`` (every rank calls it); ``at_most`` limits snapshot numbers as
     ``DSEC_RESTORE=N`` does; ``on_skipped(seq, reason)`` reports a damaged snapshot of this rank; ``where`` names
     the snapshot directory in messages."""
@@ -66,11 +69,10 @@ def agree(snap: Snapshotter, pg: Any, at_most: int | None, on_skipped: Any, wher
         loaded = _load_step(snap, mine, step, out, on_skipped)
         oks: list[Any] = [None] * world
         dist.all_gather_object(oks, loaded is not None, group=pg)
-        holders = [r for r, ok in enumerate(oks) if ok]
-        if not holders:
+        if not any(oks):
             refused[step] = "damaged on every rank that holds it"
             continue
-        got, source, shipped = _share(pg, rank, loaded, oks, holders, step)
+        got, source, shipped = _share(pg, rank, loaded, oks, step)
         if got is not None:
             out.loaded = got
             out.note["agreed_step"] = step
@@ -88,7 +90,7 @@ def agree(snap: Snapshotter, pg: Any, at_most: int | None, on_skipped: Any, wher
 
 
 def _load_step(
-    snap: Snapshotter, mine: list[tuple[int, int]], step: int, out: Agreement, on_skipped: Any
+    snap: Snapshotter, mine: list[tuple[int, int]], step: int, out: Agreement, on_skipped: Callable[[int, str], None]
 ) -> Loaded | None:
     for seq in (seq for seq, st in mine if st == step):
         try:
@@ -100,7 +102,7 @@ def _load_step(
 
 
 def _share(
-    pg: Any, rank: int, loaded: Loaded | None, oks: list[Any], holders: list[int], step: int
+    pg: Any, rank: int, loaded: Loaded | None, oks: list[Any], step: int
 ) -> tuple[Loaded | None, int | None, int]:
     """Bring ``step`` to the ranks that lack it, from each holder in turn until every rank has a verified copy.
     Returns (this rank's copy, the source rank when one sent, bytes sent) — (None, ..) when it did not reach every
@@ -109,23 +111,20 @@ def _share(
 
     from dsec.snapshot.transfer import unpack, without_rng
 
-    world = len(oks)
-    lacking = [r for r in range(world) if not oks[r]]
-    if not lacking:  # every rank verified its own copy (the exchange that said so was the last one needed)
+    if all(oks):  # every rank verified its own copy (the exchange that said so was the last one needed)
         return loaded, None, 0
-    mine = loaded
-    for source in holders:
+    mine = loaded  # None on the ranks that lack the step, until a copy that verifies arrives
+    for source in (r for r, ok in enumerate(oks) if ok):
         received = _broadcast(loaded if rank == source else None, pg, source)
-        if rank in lacking and mine is None:
+        if mine is None:
             try:
                 mine = without_rng(unpack(*received, where=f"snapshot of step {step} received from rank {source}"))
             except CorruptSnapshot as exc:
                 log.error("dsec: %s", exc)
-        ready: list[Any] = [None] * world
+        ready: list[Any] = [None] * len(oks)
         dist.all_gather_object(ready, mine is not None, group=pg)
         if all(ready):
             return mine, source, len(received[0]) + int(received[1].size)
-        lacking = [r for r, ok in enumerate(ready) if not ok]
     return None, None, 0
 
 
