@@ -167,6 +167,8 @@ class Settings:
                 raise ValueError(
                     f"DSEC_COST_DEVICE_HOUR={os.environ['DSEC_COST_DEVICE_HOUR']!r} is invalid: expected a number"
                 ) from None
-        if "plots_dir" not in overrides and os.environ.get("DSEC_PLOTS_DIR"):
-            overrides["plots_dir"] = Path(os.environ["DSEC_PLOTS_DIR"])
+        if "plots_dir" not in overrides:
+            from dsec.plots import plots_dir
+
+            overrides["plots_dir"] = plots_dir(home)  # DSEC_PLOTS_DIR, else home/plots: where dsec simulate publishes
         return cls(home=home, database_url=str(url), admin_token=admin and str(admin), **overrides)  # type: ignore[arg-type]
