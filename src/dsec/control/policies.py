@@ -1,8 +1,10 @@
 """The policy engine inside the control plane: sample gauges, evaluate rules, apply and audit their actions.
 
 - Rules come from ``--policy FILE`` (``Settings.policy_file``) or from ``PUT /v1/policies`` (``dsec policy
-  apply``), which validates, writes ``$DSEC_HOME/policies.yaml`` atomically and swaps the rules in place; that file
-  is what a restarted control plane loads when no ``--policy`` is given.
+  apply``), which validates, stores the text as the next policy version (with its ``policy`` event, in one
+  transaction) and swaps the rules in place; the newest stored version is what a restarted control plane (on this
+  host or another one, against the same database) loads when no ``--policy`` is given. A
+  ``$DSEC_HOME/policies.yaml`` applied by an older version is moved into the store at start.
 - Every ``policy_interval_s`` (in the reconcile loop) the pool and worker gauges are sampled into a bounded
   in-memory history and the rules are evaluated. History is not persisted: after a restart a window refills, except
   ``dsec_melt_down_count``, whose history is rebuilt from the durable meltdown events.
@@ -23,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.control import errors
+from dsec.control.store import PolicyRow, Store, WriteBatch
 from dsec.decide import policy_samples
-from dsec.fsutil import PRIVATE_FILE, write_atomic
 from dsec.model import Event, EventType, ModelError, Pool, WorkerState
 from dsec.policy.engine import Decision, Engine, RuleState, Scope, Transition
 from dsec.policy.rules import Knob, PolicySet, compile_policies
@@ -88,19 +90,29 @@ class PolicyRunner:
         self.engine = Engine(PolicySet())
         self._last_tick = -math.inf
         self._last_outcome: dict[tuple[str, str, str], str] = {}
-        self.applied_path = settings.home / "policies.yaml"
+        self.applied: PolicyRow | None = None  # the newest stored version (set by load and apply_text)
         self._apply_lock = asyncio.Lock()
 
     # -- loading ----------------------------------------------------------------------------------------
-    def load(self) -> None:
-        """Startup: the rules (``--policy`` file, else the last applied one), their persisted states, and the
-        meltdown history. A broken applied file is logged and skipped; ``dsec serve --policy`` checks its file
-        before it starts."""
-        source = self.settings.policy_file or (self.applied_path if self.applied_path.exists() else None)
-        if source is not None:
+    def load(self, applied: PolicyRow | None = None) -> None:
+        """Startup: the rules (``--policy`` file, else ``applied``: the newest stored version), their persisted
+        states, and the meltdown history. Broken applied rules are logged and skipped; ``dsec serve --policy`` checks
+        its file before it starts."""
+        self.applied = applied
+        text: str | None = None
+        source = ""
+        if self.settings.policy_file is not None:
+            source = str(self.settings.policy_file)
             try:
-                policies = compile_policies(Path(source).read_text(), str(source))
-            except (ConfigError, OSError) as exc:
+                text = Path(source).read_text()
+            except OSError as exc:
+                log.error("policies not loaded: %s", exc)
+        elif applied is not None:
+            text, source = applied.text, applied.source
+        if text is not None:
+            try:
+                policies = compile_policies(text, source)
+            except ConfigError as exc:
                 log.error("policies not loaded: %s", exc)
                 policies = PolicySet()
             self._install(policies)
@@ -135,19 +147,27 @@ class PolicyRunner:
             self.series.add_series(("dsec_melt_down_count", pool, None), series)
 
     async def apply_text(self, text: str, source: str = "policies.yaml") -> PolicySet:
-        """Validate and install new rules (hot reload); ConfigError leaves the running rules untouched.
+        """Validate, store and install new rules (hot reload); ConfigError leaves the running rules untouched.
 
-        Compiling and the fsync'ed write run on a worker thread, one upload at a time: a large or hostile file must
-        not stall heartbeats, and concurrent uploads must not take every thread."""
+        Compiling runs on a worker thread, one upload at a time: a large or hostile file must not stall heartbeats,
+        and concurrent uploads must not take every thread. The text is the next version, committed with its event
+        in one transaction before the rules are in force."""
         async with self._apply_lock:
             policies = await asyncio.to_thread(compile_policies, text, source)
-            await asyncio.to_thread(write_atomic, self.applied_path, text.encode(), mode=PRIVATE_FILE)
-        self._install(policies)
-        now = self.clock()
-        await self.events.record_events(
-            [Event(ts=now, type=EventType.POLICY, data={"phase": "loaded", "rules": sorted(policies.names)})]
-        )
+            now = self.clock()
+            row = PolicyRow(version=self.version + 1, text=text, source=source, applied_at=now)
+            data = {"phase": "loaded", "rules": sorted(policies.names), "version": row.version, "source": source}
+            await self.events.commit(
+                WriteBatch(policies=[row], events=[Event(ts=now, type=EventType.POLICY, data=data)])
+            )
+            self.applied = row
+            self._install(policies)
         return policies
+
+    @property
+    def version(self) -> int:
+        """The newest stored policy version (0: none was ever applied)."""
+        return self.applied.version if self.applied is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def tick(self, force: bool = False) -> tuple[list[Decision], list[Transition]]:
@@ -245,8 +265,11 @@ class PolicyRunner:
 
     def status(self) -> dict[str, Any]:
         ps = self.engine.policies
+        from_store = self.settings.policy_file is None and self.applied is not None
         return {
             "source": ps.source,
+            # The stored version in force; None when the rules come from --policy (or none were ever applied).
+            "version": self.version if from_store else None,
             "interval_s": self.interval_s,
             "rules": [
                 {
@@ -265,3 +288,26 @@ class PolicyRunner:
                 for r in ps.rules
             ],
         }
+
+
+def import_policy_file(store: Store, path: Path, clock: Clock) -> None:
+    """Startup: move a ``policies.yaml`` applied by an older version (it kept applied rules in that file) into the
+    store as version 1, with its event, and remove the file. Left alone (with a warning) when the store already holds
+    a version, which is newer than any file; left alone (with an error) when it cannot be read."""
+    if not path.exists():
+        return
+    current = store.current_policy()
+    if current is not None:
+        log.warning("%s ignored: the store holds applied policies (version %d)", path, current.version)
+        return
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.error("policies not imported from %s: %s", path, exc)
+        return
+    now = clock()
+    row = PolicyRow(version=1, text=text, source=path.name, applied_at=now)
+    data = {"phase": "loaded", "version": 1, "source": path.name, "imported_from": str(path)}
+    store.write(WriteBatch(policies=[row], events=[Event(ts=now, type=EventType.POLICY, data=data)]))
+    path.unlink()
+    log.info("applied policies moved from %s into the state store", path)

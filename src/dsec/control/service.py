@@ -31,7 +31,7 @@ from dsec.control.egress import Egress
 from dsec.control.eventlog import DurableLog
 from dsec.control.gauges import Gauges
 from dsec.control.judge import Judge
-from dsec.control.policies import PolicyRunner
+from dsec.control.policies import PolicyRunner, import_policy_file
 from dsec.control.pools import PoolsAndDevices
 from dsec.control.read_models import ReadModels
 from dsec.control.reconcile import Reconciler
@@ -82,13 +82,14 @@ class ControlPlane:
         self.scheduler = Scheduler(
             self.state, self.log, self.directives, self.inventory, self.judge, clock, settings.device_health
         )
-        self.scheduler.load()
+        self.scheduler.load(store.list_placements())
         self.beats = Beats(self.state, settings, self.log, self.judge, self.access, self.scheduler.run_record, clock)
         self.runtimes = self._runtime_hub(settings, store, clock)
         self.policies = PolicyRunner(
             self.state, settings, self.log, self.gauges, self.directives, self.inventory, clock
         )
-        self.policies.load()
+        import_policy_file(store, settings.home / "policies.yaml", clock)
+        self.policies.load(store.current_policy())
         self.reconciler = Reconciler(
             self.state, settings, store, self.log, self.directives, self.judge, self.beats, self.scheduler,
             self.policies, clock,
