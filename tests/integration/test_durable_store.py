@@ -179,3 +179,22 @@ def test_a_policy_version_taken_by_another_control_plane_is_refused_whole(server
         assert server.admin.policies()["source"] == "mine.yaml"
     finally:
         other.close()
+
+
+def recovery_gauge(h: Harness) -> str:
+    name = 'dsec_snapshot_recovery_time{pool="pool-a"} '
+    (line,) = [ln for ln in h.admin.metrics_text().splitlines() if ln.startswith(name)]
+    return line.removeprefix(name)
+
+
+def test_the_pools_recovery_gauge_comes_back_from_the_restore_events(server_factory: Factory) -> None:
+    h = server_factory(pools=True)
+    for restore_s in (0.5, 1.5):  # restore_min_reporters: 2 workers
+        w = h.register("pool-a")
+        h.client(w.token).heartbeat(w.id, 1, events=[{"type": "restore", "data": {"restore_s": restore_s}}])
+    before = recovery_gauge(h)
+    assert float(before) > 0
+    settings, port = h.settings, h.port
+    h.close()
+    again = server_factory(settings=settings, port=port)
+    assert recovery_gauge(again) == before

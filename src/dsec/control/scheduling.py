@@ -73,8 +73,9 @@ class Scheduler:
         self.health = DeviceHealthTracker(self.config)
 
     def load(self, placements: Iterable[PlacementRow] = ()) -> None:
-        """Startup: the placements in force (from the store: the devices they hold stay held across a restart) and
-        the device profiles (from the run records)."""
+        """Startup: the placements in force (from the store: the devices they hold stay held across a restart), and
+        from the ``device`` events: the profiles (run records), when each device entered its health state (its
+        probation clocks run from then, not from the restart) and the pools still held back after a degradation."""
         for row in placements:
             try:
                 self.placements[row.job] = placement_from_dict(row.placement)
@@ -86,6 +87,17 @@ class Scheduler:
                     self.profiles.observe(RunRecord.from_dict(ev.data["record"]))
                 except (KeyError, TypeError, ValueError):
                     log.warning("skipping an unreadable run record in event %s", ev.id)
+            elif ev.data.get("kind") == "health" and isinstance(ev.data.get("device"), str):
+                self._replay_health(ev)
+
+    def _replay_health(self, ev: Event) -> None:
+        """A recorded health change, as ``_set_health`` / ``_degrade`` applied it (events come in id order)."""
+        self.health.entered(str(ev.data["device"]), ev.ts)
+        if ev.data.get("to") == DeviceHealth.DEGRADED.value and ev.pool:
+            # decide.degrade holds the pool from the degradation's time: the event's.
+            hold_until = degrade(str(ev.data["device"]), ev.ts, self.config).hold_until
+            recovering = self.state.pool_recovering_until
+            recovering[ev.pool] = max(recovering.get(ev.pool, 0.0), hold_until)
 
     # -- placement ------------------------------------------------------------------------------------------
     def inventory(self) -> Inventory:

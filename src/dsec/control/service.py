@@ -141,11 +141,14 @@ class ControlPlane:
             if w.token_id is not None and w.state is not WorkerState.DEREGISTERED:
                 st.workers_by_token[w.token_id] += 1
         self.access.load()
-        # One pass over the breaker history: meltdown counters, and each worker's level after its last
-        # recorded transition (events come in id order) for the breakers to resume at.
+        # One pass over the breaker history: meltdown counters, each worker's level after its last recorded
+        # transition (events come in id order) for the breakers to resume at, and the restore times of the
+        # workers still held (the pools' recovery gauge).
         levels: dict[str, int] = {}
-        for ev in self.log.iter_events(EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
+        for ev in self.log.iter_events(EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED, EventType.RESTORE):
             self.log.count(ev)
+            if ev.worker_id in st.workers:
+                self.log.note_restore(ev)
             level = ev.data.get("level_to")
             if ev.worker_id and ev.data.get("kind") == "breaker" and isinstance(level, int):
                 levels[ev.worker_id] = level
