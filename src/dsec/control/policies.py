@@ -211,6 +211,8 @@ class PolicyRunner:
         return None if value is None else float(value)
 
     async def _record(self, decisions: list[Decision], transitions: list[Transition], now: float) -> None:
+        """The transitions and the actions' events; an action that changes something commits its event with the
+        change (the pool, or the worker's directive), in one transaction."""
         events = [
             Event(ts=now, type=EventType.POLICY, pool=t.scope.pool, worker_id=t.scope.worker, data=t.to_event())
             for t in transitions
@@ -221,31 +223,30 @@ class PolicyRunner:
                 d.outcome in ("suppressed", "rate_limited", "no_value") and self._last_outcome.get(slot) == d.outcome
             )
             self._last_outcome[slot] = d.outcome
-            if not repeated:
-                events.append(
-                    Event(ts=now, type=EventType.POLICY_ACTION, pool=d.scope.pool, worker_id=d.scope.worker,
-                          data=d.to_event())
-                )  # fmt: skip
+            if not repeated and not d.changes:
+                events.append(self._action_event(d, d.to_event(), now))
         if events:
             await self.events.record_events(events)
         for d in decisions:
             if d.changes:
                 try:
-                    await self._apply(d)
+                    await self._apply(d, self._action_event(d, d.to_event(), now))
                 except (errors.ApiError, ModelError) as exc:
                     log.warning("policy %s could not change %s of %s: %s", d.rule, d.knob, d.scope.key, exc)
                     data = {**d.to_event(), "outcome": "failed", "detail": str(exc)}
-                    ev = Event(ts=self.clock(), type=EventType.POLICY_ACTION, pool=d.scope.pool,
-                               worker_id=d.scope.worker, data=data)  # fmt: skip
-                    await self.events.record_events([ev])
+                    await self.events.record_events([self._action_event(d, data, self.clock())])
 
-    async def _apply(self, d: Decision) -> None:
+    @staticmethod
+    def _action_event(d: Decision, data: dict[str, Any], now: float) -> Event:
+        return Event(ts=now, type=EventType.POLICY_ACTION, pool=d.scope.pool, worker_id=d.scope.worker, data=data)
+
+    async def _apply(self, d: Decision, action: Event) -> None:
         assert d.new is not None
         actor = f"policy:{d.rule}"
         if d.level == "pool":
             pool = self.state.pools[d.scope.pool]
             new_pool = with_pool_knob(pool, d.knob, d.new)
-            await self.pools.put_pool(new_pool, actor=actor)
+            await self.pools.put_pool(new_pool, actor=actor, events=[action])
             if d.knob in DIRECTIVE_MIRRORS:
                 old = getattr(pool, d.knob)
                 for w in list(self.state.workers.values()):
@@ -258,10 +259,11 @@ class PolicyRunner:
             return
         target = self.state.workers.get(d.scope.worker or "")
         if target is None:
+            await self.events.record_events([action])  # the worker left meanwhile: the decision is still recorded
             return
         value: Any = int(d.new) if d.knob in ("compression_bits", "grad_accum_steps", "sync_priority",
                                               "snapshot_compression_level") else float(d.new)  # fmt: skip
-        await self.directives.set_directive(target, {d.knob: value}, actor)
+        await self.directives.set_directive(target, {d.knob: value}, actor, extra_events=[action])
 
     def status(self) -> dict[str, Any]:
         ps = self.engine.policies

@@ -21,15 +21,16 @@ class PoolsAndDevices:
         self.access = access
         self.clock = clock
 
-    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool:
+    async def put_pool(self, pool: Pool, actor: str = "api", events: Sequence[Event] = ()) -> Pool:
+        """The pool, its ``pool_changed`` event and ``events`` (the policy action that changed it) in one transaction,
+        through the writer: none without the others."""
         now = self.clock()
         created = pool.name not in self.state.pools
         data = {"created": created, "spec": pool.to_dict(), "by": actor}
-        ev = Event(ts=now, type=EventType.POOL_CHANGED, pool=pool.name, data=data)
-        # The pool and its event in one transaction, through the writer: neither without the other.
-        await self.log.commit(WriteBatch(pools=[(pool, now)], events=[ev]))
+        written = [Event(ts=now, type=EventType.POOL_CHANGED, pool=pool.name, data=data), *events]
+        await self.log.commit(WriteBatch(pools=[(pool, now)], events=written))
         self.state.pools[pool.name] = pool
-        self.log.observe([ev])
+        self.log.observe(written)
         return pool
 
     async def delete_pool(self, name: str, actor: str = "api") -> None:

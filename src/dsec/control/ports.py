@@ -46,7 +46,7 @@ class DirectiveWriter(Protocol):
 
 
 class PoolWriter(Protocol):
-    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool: ...
+    async def put_pool(self, pool: Pool, actor: str = "api", events: Sequence[Event] = ()) -> Pool: ...
 
 
 class DeviceWriter(Protocol):

@@ -203,8 +203,8 @@ class ControlPlane:
     ) -> Directive:
         return await self.directives.set_directive(w, patch, actor, extra_events)
 
-    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool:
-        return await self.inventory.put_pool(pool, actor)
+    async def put_pool(self, pool: Pool, actor: str = "api", events: Sequence[Event] = ()) -> Pool:
+        return await self.inventory.put_pool(pool, actor, events)
 
     async def delete_pool(self, name: str) -> None:
         await self.inventory.delete_pool(name)
