@@ -115,10 +115,11 @@ def test_an_old_policies_file_moves_into_the_store(server_factory: Factory, tmp_
 
 @contextmanager
 def events_refused(database_url: str) -> Iterator[None]:
-    """Every INSERT into the events table fails (a real SQLite trigger) until the block ends."""
+    """Every INSERT into the events table fails until the block ends: a real SQLite trigger writing to a table that
+    does not exist, so the database answers an operational error (as when it cannot write), not a conflict."""
     path = database_url.split("///", 1)[1]
     with sqlite3.connect(path) as conn:
-        conn.execute("CREATE TRIGGER refuse_events BEFORE INSERT ON events BEGIN SELECT RAISE(ABORT, 'refused'); END")
+        conn.execute("CREATE TRIGGER refuse_events BEFORE INSERT ON events BEGIN INSERT INTO nowhere VALUES (1); END")
     try:
         yield
     finally:
@@ -172,7 +173,7 @@ def test_a_policy_version_taken_by_another_control_plane_is_refused_whole(server
         other.write(WriteBatch(policies=[theirs]))
         with pytest.raises(ApiError) as err:
             server.admin.put_policies(RULE, "late.yaml")
-        assert err.value.status == 503
+        assert (err.value.status, err.value.field) == (409, "text") and "version 2" in str(err.value)
         assert other.current_policy() == theirs
         loaded = [e for e in server.admin.all_events(types=["policy"]) if e["data"].get("source") == "late.yaml"]
         assert loaded == []

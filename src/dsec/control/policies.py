@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.control import errors
-from dsec.control.store import PolicyRow, Store, WriteBatch
+from dsec.control.store import PolicyRow, Store, StoreConflict, WriteBatch
 from dsec.decide import policy_samples
 from dsec.model import Event, EventType, ModelError, Pool, WorkerState
 from dsec.policy.engine import Decision, Engine, RuleState, Scope, Transition
@@ -157,9 +157,19 @@ class PolicyRunner:
             now = self.clock()
             row = PolicyRow(version=self.version + 1, text=text, source=source, applied_at=now)
             data = {"phase": "loaded", "rules": sorted(policies.names), "version": row.version, "source": source}
-            await self.events.commit(
-                WriteBatch(policies=[row], events=[Event(ts=now, type=EventType.POLICY, data=data)])
-            )
+            try:
+                await self.events.commit(
+                    WriteBatch(policies=[row], events=[Event(ts=now, type=EventType.POLICY, data=data)])
+                )
+            except errors.ApiError as exc:
+                if isinstance(exc.__cause__, StoreConflict):
+                    # Retrying cannot help: this control plane is not the only one writing the database.
+                    raise errors.conflict(
+                        f"policy version {row.version} was stored meanwhile by another control plane on this "
+                        "database; restart this one to load it",
+                        "text",
+                    ) from None
+                raise
             self.applied = row
             self._install(policies)
         return policies
