@@ -29,6 +29,7 @@ from dsec.client import Client
 from dsec.control.app import create_app
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
+from pg_cluster import postgres_url  # noqa: F401  (the fixture, for every test that asks for it)
 
 ADMIN_TOKEN = "dsa_test-admin-token-0123456789"
 POOLS = ("pool-a", "pool-b")

@@ -19,6 +19,7 @@ from dsec.client import ApiError, Client
 from dsec.control.app import create_app
 from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
+from dsec.control.store import open_store
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "policies" / "meltdowns-tighten-latency-cap.yaml"
@@ -190,13 +191,13 @@ def test_pending_state_survives_a_restart(servers: list[Harness], tmp_path: Path
     clock.advance(11 * 60)  # 31 min after it became pending: fires now, not 30 min after the restart
     policy_ticked(h, clock)
     wait_for(lambda: actions(h, "applied"), timeout=10, what="the held rule acting after the restart")
-    # The action's event and the pool's new value are committed separately (issue: one durable store), so the
-    # value may show a moment after the event.
-    wait_for(
-        lambda: h.admin.request("GET", "/v1/pools/pool-a")["snapshot_compression_level"] == 3,
-        timeout=10,
-        what="the pool's new snapshot level",
-    )
+    # The action's event and the pool's new value commit in one transaction: once the event is there, so is the value.
+    assert h.admin.request("GET", "/v1/pools/pool-a")["snapshot_compression_level"] == 3
+    store = open_store(h.database_url)
+    try:
+        assert {p.name: p.snapshot_compression_level for p in store.list_pools()}["pool-a"] == 3
+    finally:
+        store.close()
 
 
 def test_apply_rejects_a_bad_file_and_keeps_the_running_rules(servers: list[Harness], tmp_path: Path) -> None:

@@ -73,12 +73,12 @@ def test_nothing_dsec_serve_writes_is_readable_by_other_users(tmp_path: Path) ->
         admin.put_policies("policies: []\n")
         files = sorted(p for p in home.rglob("*") if p.is_file())
         names = {p.name for p in files}
-        assert {"admin.token", "dsec.db", "dsec.db-wal", "dsec.db-shm", "policies.yaml"} <= names, names
+        assert {"admin.token", "dsec.db", "dsec.db-wal", "dsec.db-shm"} <= names, names
         wider = {p.name: oct(mode(p)) for p in files if mode(p) & 0o077}
         assert wider == {}, f"readable by other users: {wider}"
         assert mode(home) == 0o700
-        # Runtime secrets live in the (0600) database, not in a file of their own.
-        assert "runtimes.json" not in names
+        # Runtime secrets and applied policies live in the (0600) database, not in files of their own.
+        assert "runtimes.json" not in names and "policies.yaml" not in names
         holding = {p.name for p in files if SECRET.encode() in p.read_bytes()}
         assert holding <= {"dsec.db", "dsec.db-wal"}, holding
 

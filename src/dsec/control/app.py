@@ -65,7 +65,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     # The cluster file is checked before anything is opened: a typo in it starts nothing.
     cluster = load_cluster(settings.cluster_file) if settings.cluster_file is not None else None
     owned_store = store is None
-    private_dir(settings.home)  # it holds the applied policies and, for SQLite, the database: 0700 when created
+    private_dir(settings.home)  # it holds the admin token and, for SQLite, the database: 0700 when created
     store = store or open_store(settings.database_url)
     cp = ControlPlane(settings, store, clock)
     if cluster is not None:

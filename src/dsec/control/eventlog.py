@@ -63,11 +63,16 @@ class DurableLog:
             self.count(ev)
             if ev.type is EventType.ALERT:
                 self.on_alert(ev)
-            elif ev.type is EventType.RESTORE and ev.pool and ev.worker_id:
-                # Validated at the edge (schemas.EventIn); aggregated per distinct worker (decide.pool_recovery_s).
-                restore_s = ev.data.get("restore_s")
-                if isinstance(restore_s, (int, float)) and not isinstance(restore_s, bool):
-                    self.state.restore_reports.setdefault(ev.pool, {})[ev.worker_id] = float(restore_s)
+            else:
+                self.note_restore(ev)
+
+    def note_restore(self, ev: Event) -> None:
+        """A worker's restore time (its latest per pool), for ``decide.pool_recovery_s``; also replayed at startup."""
+        if ev.type is EventType.RESTORE and ev.pool and ev.worker_id:
+            # Validated at the edge (schemas.EventIn); aggregated per distinct worker (decide.pool_recovery_s).
+            restore_s = ev.data.get("restore_s")
+            if isinstance(restore_s, (int, float)) and not isinstance(restore_s, bool):
+                self.state.restore_reports.setdefault(ev.pool, {})[ev.worker_id] = float(restore_s)
 
     def count(self, ev: Event) -> None:
         """Meltdown counters, per pool and per worker: from committed events only (also at startup)."""

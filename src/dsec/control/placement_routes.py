@@ -49,7 +49,7 @@ def placement_routes() -> APIRouter:
     async def delete_placement(job: PoolName, request: Request) -> Response:
         """Release a job's devices (the job ended)."""
         cp = _cp(request)
-        if not cp.scheduler.release(job):
+        if not await cp.scheduler.release(job):
             raise errors.not_found("placement", job, "job")
         return Response(status_code=204)
 

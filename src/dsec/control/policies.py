@@ -1,8 +1,10 @@
 """The policy engine inside the control plane: sample gauges, evaluate rules, apply and audit their actions.
 
 - Rules come from ``--policy FILE`` (``Settings.policy_file``) or from ``PUT /v1/policies`` (``dsec policy
-  apply``), which validates, writes ``$DSEC_HOME/policies.yaml`` atomically and swaps the rules in place; that file
-  is what a restarted control plane loads when no ``--policy`` is given.
+  apply``), which validates, stores the text as the next policy version (with its ``policy`` event, in one
+  transaction) and swaps the rules in place; the newest stored version is what a restarted control plane (on this
+  host or another one, against the same database) loads when no ``--policy`` is given. A
+  ``$DSEC_HOME/policies.yaml`` applied by an older version is moved into the store at start.
 - Every ``policy_interval_s`` (in the reconcile loop) the pool and worker gauges are sampled into a bounded
   in-memory history and the rules are evaluated. History is not persisted: after a restart a window refills, except
   ``dsec_melt_down_count``, whose history is rebuilt from the durable meltdown events.
@@ -23,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.control import errors
+from dsec.control.store import PolicyRow, Store, StoreConflict, WriteBatch
 from dsec.decide import policy_samples
-from dsec.fsutil import PRIVATE_FILE, write_atomic
 from dsec.model import Event, EventType, ModelError, Pool, WorkerState
 from dsec.policy.engine import Decision, Engine, RuleState, Scope, Transition
 from dsec.policy.rules import Knob, PolicySet, compile_policies
@@ -88,19 +90,29 @@ class PolicyRunner:
         self.engine = Engine(PolicySet())
         self._last_tick = -math.inf
         self._last_outcome: dict[tuple[str, str, str], str] = {}
-        self.applied_path = settings.home / "policies.yaml"
+        self.applied: PolicyRow | None = None  # the newest stored version (set by load and apply_text)
         self._apply_lock = asyncio.Lock()
 
     # -- loading ----------------------------------------------------------------------------------------
-    def load(self) -> None:
-        """Startup: the rules (``--policy`` file, else the last applied one), their persisted states, and the
-        meltdown history. A broken applied file is logged and skipped; ``dsec serve --policy`` checks its file
-        before it starts."""
-        source = self.settings.policy_file or (self.applied_path if self.applied_path.exists() else None)
-        if source is not None:
+    def load(self, applied: PolicyRow | None = None) -> None:
+        """Startup: the rules (``--policy`` file, else ``applied``: the newest stored version), their persisted
+        states, and the meltdown history. Broken applied rules are logged and skipped; ``dsec serve --policy`` checks
+        its file before it starts."""
+        self.applied = applied
+        text: str | None = None
+        source = ""
+        if self.settings.policy_file is not None:
+            source = str(self.settings.policy_file)
             try:
-                policies = compile_policies(Path(source).read_text(), str(source))
-            except (ConfigError, OSError) as exc:
+                text = Path(source).read_text()
+            except OSError as exc:
+                log.error("policies not loaded: %s", exc)
+        elif applied is not None:
+            text, source = applied.text, applied.source
+        if text is not None:
+            try:
+                policies = compile_policies(text, source)
+            except ConfigError as exc:
                 log.error("policies not loaded: %s", exc)
                 policies = PolicySet()
             self._install(policies)
@@ -135,19 +147,37 @@ class PolicyRunner:
             self.series.add_series(("dsec_melt_down_count", pool, None), series)
 
     async def apply_text(self, text: str, source: str = "policies.yaml") -> PolicySet:
-        """Validate and install new rules (hot reload); ConfigError leaves the running rules untouched.
+        """Validate, store and install new rules (hot reload); ConfigError leaves the running rules untouched.
 
-        Compiling and the fsync'ed write run on a worker thread, one upload at a time: a large or hostile file must
-        not stall heartbeats, and concurrent uploads must not take every thread."""
+        Compiling runs on a worker thread, one upload at a time: a large or hostile file must not stall heartbeats,
+        and concurrent uploads must not take every thread. The text is the next version, committed with its event
+        in one transaction before the rules are in force."""
         async with self._apply_lock:
             policies = await asyncio.to_thread(compile_policies, text, source)
-            await asyncio.to_thread(write_atomic, self.applied_path, text.encode(), mode=PRIVATE_FILE)
-        self._install(policies)
-        now = self.clock()
-        await self.events.record_events(
-            [Event(ts=now, type=EventType.POLICY, data={"phase": "loaded", "rules": sorted(policies.names)})]
-        )
+            now = self.clock()
+            row = PolicyRow(version=self.version + 1, text=text, source=source, applied_at=now)
+            data = {"phase": "loaded", "rules": sorted(policies.names), "version": row.version, "source": source}
+            try:
+                await self.events.commit(
+                    WriteBatch(policies=[row], events=[Event(ts=now, type=EventType.POLICY, data=data)])
+                )
+            except errors.ApiError as exc:
+                if isinstance(exc.__cause__, StoreConflict):
+                    # Retrying cannot help: this control plane is not the only one writing the database.
+                    raise errors.conflict(
+                        f"policy version {row.version} was stored meanwhile by another control plane on this "
+                        "database; restart this one to load it",
+                        "text",
+                    ) from None
+                raise
+            self.applied = row
+            self._install(policies)
         return policies
+
+    @property
+    def version(self) -> int:
+        """The newest stored policy version (0: none was ever applied)."""
+        return self.applied.version if self.applied is not None else 0
 
     # -- the loop -------------------------------------------------------------------------------------------
     async def tick(self, force: bool = False) -> tuple[list[Decision], list[Transition]]:
@@ -191,6 +221,8 @@ class PolicyRunner:
         return None if value is None else float(value)
 
     async def _record(self, decisions: list[Decision], transitions: list[Transition], now: float) -> None:
+        """The transitions and the actions' events; an action that changes something commits its event with the
+        change (the pool, or the worker's directive), in one transaction."""
         events = [
             Event(ts=now, type=EventType.POLICY, pool=t.scope.pool, worker_id=t.scope.worker, data=t.to_event())
             for t in transitions
@@ -201,31 +233,30 @@ class PolicyRunner:
                 d.outcome in ("suppressed", "rate_limited", "no_value") and self._last_outcome.get(slot) == d.outcome
             )
             self._last_outcome[slot] = d.outcome
-            if not repeated:
-                events.append(
-                    Event(ts=now, type=EventType.POLICY_ACTION, pool=d.scope.pool, worker_id=d.scope.worker,
-                          data=d.to_event())
-                )  # fmt: skip
+            if not repeated and not d.changes:
+                events.append(self._action_event(d, d.to_event(), now))
         if events:
             await self.events.record_events(events)
         for d in decisions:
             if d.changes:
                 try:
-                    await self._apply(d)
+                    await self._apply(d, self._action_event(d, d.to_event(), now))
                 except (errors.ApiError, ModelError) as exc:
                     log.warning("policy %s could not change %s of %s: %s", d.rule, d.knob, d.scope.key, exc)
                     data = {**d.to_event(), "outcome": "failed", "detail": str(exc)}
-                    ev = Event(ts=self.clock(), type=EventType.POLICY_ACTION, pool=d.scope.pool,
-                               worker_id=d.scope.worker, data=data)  # fmt: skip
-                    await self.events.record_events([ev])
+                    await self.events.record_events([self._action_event(d, data, self.clock())])
 
-    async def _apply(self, d: Decision) -> None:
+    @staticmethod
+    def _action_event(d: Decision, data: dict[str, Any], now: float) -> Event:
+        return Event(ts=now, type=EventType.POLICY_ACTION, pool=d.scope.pool, worker_id=d.scope.worker, data=data)
+
+    async def _apply(self, d: Decision, action: Event) -> None:
         assert d.new is not None
         actor = f"policy:{d.rule}"
         if d.level == "pool":
             pool = self.state.pools[d.scope.pool]
             new_pool = with_pool_knob(pool, d.knob, d.new)
-            await self.pools.put_pool(new_pool, actor=actor)
+            await self.pools.put_pool(new_pool, actor=actor, events=[action])
             if d.knob in DIRECTIVE_MIRRORS:
                 old = getattr(pool, d.knob)
                 for w in list(self.state.workers.values()):
@@ -238,15 +269,19 @@ class PolicyRunner:
             return
         target = self.state.workers.get(d.scope.worker or "")
         if target is None:
+            await self.events.record_events([action])  # the worker left meanwhile: the decision is still recorded
             return
         value: Any = int(d.new) if d.knob in ("compression_bits", "grad_accum_steps", "sync_priority",
                                               "snapshot_compression_level") else float(d.new)  # fmt: skip
-        await self.directives.set_directive(target, {d.knob: value}, actor)
+        await self.directives.set_directive(target, {d.knob: value}, actor, extra_events=[action])
 
     def status(self) -> dict[str, Any]:
         ps = self.engine.policies
+        from_store = self.settings.policy_file is None and self.applied is not None
         return {
             "source": ps.source,
+            # The stored version in force; None when the rules come from --policy (or none were ever applied).
+            "version": self.version if from_store else None,
             "interval_s": self.interval_s,
             "rules": [
                 {
@@ -265,3 +300,26 @@ class PolicyRunner:
                 for r in ps.rules
             ],
         }
+
+
+def import_policy_file(store: Store, path: Path, clock: Clock) -> None:
+    """Startup: move a ``policies.yaml`` applied by an older version (it kept applied rules in that file) into the
+    store as version 1, with its event, and remove the file. Left alone (with a warning) when the store already holds
+    a version, which is newer than any file; left alone (with an error) when it cannot be read."""
+    if not path.exists():
+        return
+    current = store.current_policy()
+    if current is not None:
+        log.warning("%s ignored: the store holds applied policies (version %d)", path, current.version)
+        return
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        log.error("policies not imported from %s: %s", path, exc)
+        return
+    now = clock()
+    row = PolicyRow(version=1, text=text, source=path.name, applied_at=now)
+    data = {"phase": "loaded", "version": 1, "source": path.name, "imported_from": str(path)}
+    store.write(WriteBatch(policies=[row], events=[Event(ts=now, type=EventType.POLICY, data=data)]))
+    path.unlink()
+    log.info("applied policies moved from %s into the state store", path)

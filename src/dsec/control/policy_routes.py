@@ -8,7 +8,7 @@ from starlette.responses import Response
 from dsec.control.auth import bearer
 from dsec.control.deps import Auth, admin_api_routers
 from dsec.control.deps import cp_of as _cp
-from dsec.control.errors import ApiError
+from dsec.control.errors import ApiError, documented
 from dsec.control.http import JSON
 from dsec.control.schemas import PolicyUpload
 from dsec.yamlconf import ConfigError
@@ -24,9 +24,10 @@ def policy_routes() -> APIRouter:
         cp.require_read(bearer(authorization))
         return JSON(cp.policies.status())
 
-    @admin.put("/policies")
+    @admin.put("/policies", responses=documented(409))
     async def put_policies(body: PolicyUpload, request: Request) -> Response:
-        """Validate and hot-reload a policy file; on any error nothing changes (422 with every problem)."""
+        """Validate, store (as the next policy version) and hot-reload a policy file; on any error nothing changes
+        (422 with every problem; 409 when another control plane on the same database stored that version)."""
         cp = _cp(request)
         try:
             await cp.policies.apply_text(body.text, body.source)

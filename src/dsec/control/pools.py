@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from dsec.control import errors
 from dsec.control.access import Access
 from dsec.control.eventlog import DurableLog
 from dsec.control.ports import Clock
 from dsec.control.state import HotState
-from dsec.control.store import Store
+from dsec.control.store import Store, WriteBatch
 from dsec.model import Device, Event, EventType, Pool, WorkerState
 
 
@@ -22,30 +21,27 @@ class PoolsAndDevices:
         self.access = access
         self.clock = clock
 
-    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool:
+    async def put_pool(self, pool: Pool, actor: str = "api", events: Sequence[Event] = ()) -> Pool:
+        """The pool, its ``pool_changed`` event and ``events`` (the policy action that changed it) in one transaction,
+        through the writer: none without the others."""
         now = self.clock()
         created = pool.name not in self.state.pools
-        await asyncio.to_thread(self.store.put_pool, pool, now)
+        data = {"created": created, "spec": pool.to_dict(), "by": actor}
+        written = [Event(ts=now, type=EventType.POOL_CHANGED, pool=pool.name, data=data), *events]
+        await self.log.commit(WriteBatch(pools=[(pool, now)], events=written))
         self.state.pools[pool.name] = pool
-        await self.log.record_events(
-            [
-                Event(
-                    ts=now,
-                    type=EventType.POOL_CHANGED,
-                    pool=pool.name,
-                    data={"created": created, "spec": pool.to_dict(), "by": actor},
-                )
-            ]
-        )
+        self.log.observe(written)
         return pool
 
-    async def delete_pool(self, name: str) -> None:
+    async def delete_pool(self, name: str, actor: str = "api") -> None:
         if name not in self.state.pools:
             raise errors.not_found("pool", name, "name")
         busy = [w.id for w in self.state.workers.values() if w.pool == name and w.state is not WorkerState.DEREGISTERED]
         if busy:
             raise errors.conflict(f"pool {name!r} still has {len(busy)} registered worker(s)", "name")
-        await asyncio.to_thread(self.store.delete_pool, name)  # its pool tokens go with it, in one transaction
+        ev = Event(ts=self.clock(), type=EventType.POOL_CHANGED, pool=name, data={"deleted": True, "by": actor})
+        # Its pool tokens go with it, and its event, in one transaction.
+        await self.log.commit(WriteBatch(deleted_pools=[name], events=[ev]))
         del self.state.pools[name]
         self.access.forget_pool(name)
 
@@ -59,7 +55,9 @@ class PoolsAndDevices:
         self.store.put_devices(devs, now)
         self.state.devices.update({d.id: d for d in devs})
 
-    async def put_device(self, device: Device) -> Device:
-        await asyncio.to_thread(self.store.put_devices, [device], self.clock())
+    async def put_device(self, device: Device, events: Sequence[Event] = ()) -> Device:
+        """The device and ``events`` (e.g. the health change it records) in one transaction."""
+        await self.log.commit(WriteBatch(devices=[(device, self.clock())], events=list(events)))
         self.state.devices[device.id] = device
+        self.log.observe(events)
         return device

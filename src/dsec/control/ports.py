@@ -15,6 +15,7 @@ from dsec.model import Device, Directive, Event, EventType, Pool
 if TYPE_CHECKING:
     from dsec.control.schemas import HeartbeatRequest
     from dsec.control.state import LiveWorker
+    from dsec.control.store import WriteBatch
     from dsec.decide import PoolGauges, WorkerGauges
 
 
@@ -27,6 +28,14 @@ class EventLog(Protocol):
 
     async def record_events(self, events: list[Event]) -> list[int]: ...
 
+    async def commit(self, batch: WriteBatch) -> list[int]:
+        """A change and the events recording it, in one transaction (through the group-commit writer)."""
+        ...
+
+    def observe(self, events: Iterable[Event]) -> None:
+        """What committed events change in the hot state (``commit`` leaves that to the caller)."""
+        ...
+
     def iter_events(self, *etypes: EventType, since: float | None = None) -> Iterable[Event]: ...
 
 
@@ -37,11 +46,11 @@ class DirectiveWriter(Protocol):
 
 
 class PoolWriter(Protocol):
-    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool: ...
+    async def put_pool(self, pool: Pool, actor: str = "api", events: Sequence[Event] = ()) -> Pool: ...
 
 
 class DeviceWriter(Protocol):
-    async def put_device(self, device: Device) -> Device: ...
+    async def put_device(self, device: Device, events: Sequence[Event] = ()) -> Device: ...
 
 
 class FleetView(Protocol):

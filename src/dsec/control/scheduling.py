@@ -16,16 +16,18 @@ and degraded-device detection with probation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from dsec.control.store import PlacementRow, WriteBatch
 from dsec.decide import degrade, occupancy, slow_workers
 from dsec.model import Device, DeviceHealth, Event, EventType, Pool, WorkerState
 from dsec.scheduler.device_health import DeviceHealthConfig, DeviceHealthTracker
 from dsec.scheduler.inventory import Inventory, from_cluster
-from dsec.scheduler.placement import JobSpec, Placement, place
+from dsec.scheduler.placement import JobSpec, Placement, place, placement_from_dict
 from dsec.scheduler.profiles import Profiles, RunRecord, classify_load
 
 if TYPE_CHECKING:
@@ -66,22 +68,47 @@ class Scheduler:
         self.clock = clock
         self.config = config or DeviceHealthConfig()
         self.placements: dict[str, Placement] = {}
+        self._placing = asyncio.Lock()
         self.profiles = Profiles()
         self.health = DeviceHealthTracker(self.config)
 
-    def load(self) -> None:
+    def load(self, placements: Iterable[PlacementRow] = ()) -> None:
+        """Startup: the placements in force (from the store: the devices they hold stay held across a restart), and
+        from the ``device`` events: the profiles (run records), when each device entered its health state (its
+        probation clocks run from then, not from the restart) and the pools still held back after a degradation."""
+        for row in placements:
+            try:
+                self.placements[row.job] = placement_from_dict(row.placement)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.error("placement of job %r unreadable, its devices are not held: %s", row.job, exc)
         for ev in self.events.iter_events(EventType.DEVICE):
             if ev.data.get("kind") == "run" and isinstance(ev.data.get("record"), dict):
                 try:
                     self.profiles.observe(RunRecord.from_dict(ev.data["record"]))
                 except (KeyError, TypeError, ValueError):
                     log.warning("skipping an unreadable run record in event %s", ev.id)
+            elif ev.data.get("kind") == "health" and isinstance(ev.data.get("device"), str):
+                self._replay_health(ev)
+
+    def _replay_health(self, ev: Event) -> None:
+        """A recorded health change, as ``_set_health`` / ``_degrade`` applied it (events come in id order)."""
+        self.health.entered(str(ev.data["device"]), ev.ts)
+        if ev.data.get("to") == DeviceHealth.DEGRADED.value and ev.pool:
+            # decide.degrade holds the pool from the degradation's time: the event's.
+            hold_until = degrade(str(ev.data["device"]), ev.ts, self.config).hold_until
+            recovering = self.state.pool_recovering_until
+            recovering[ev.pool] = max(recovering.get(ev.pool, 0.0), hold_until)
 
     # -- placement ------------------------------------------------------------------------------------------
     def inventory(self) -> Inventory:
         return from_cluster(self.state.devices.values())
 
     async def place(self, job: JobSpec) -> Placement:
+        # One placement at a time: two jobs placed at once would each see the other's devices as free.
+        async with self._placing:
+            return await self._place(job)
+
+    async def _place(self, job: JobSpec) -> Placement:
         pool = self.state.pools.get(job.pool) if job.pool else None
         allowed = set(pool.devices) if pool is not None and pool.devices else None
         busy = {a.device for name, p in self.placements.items() if name != job.name for a in p.assignments}
@@ -93,7 +120,7 @@ class Scheduler:
             gpu_quota=pool.gpu_quota if pool is not None else None,
             busy=busy,
         )
-        self.placements[job.name] = placement
+        now = self.clock()
         summary = {
             "job": job.name,
             "complete": placement.complete,
@@ -101,11 +128,21 @@ class Scheduler:
             "devices": {a.worker: a.device for a in placement.assignments},
             "unplaced": dict(placement.unplaced),
         }
-        await self.events.record_events([Event(ts=self.clock(), type=EventType.PLACEMENT, pool=job.pool, data=summary)])
+        row = PlacementRow(job=job.name, pool=job.pool, placement=placement.to_dict(), placed_at=now)
+        ev = Event(ts=now, type=EventType.PLACEMENT, pool=job.pool, data=summary)
+        # Durable (with its event, in one transaction) before it is in force: a restart keeps its devices held.
+        await self.events.commit(WriteBatch(placements=[row], events=[ev]))
+        self.placements[job.name] = placement
         return placement
 
-    def release(self, job: str) -> bool:
-        return self.placements.pop(job, None) is not None
+    async def release(self, job: str) -> bool:
+        async with self._placing:
+            if job not in self.placements:
+                return False
+            ev = Event(ts=self.clock(), type=EventType.PLACEMENT, data={"job": job, "released": True})
+            await self.events.commit(WriteBatch(released_placements=[job], events=[ev]))
+            del self.placements[job]
+            return True
 
     # -- history ------------------------------------------------------------------------------------------------
     def run_record(self, w: LiveWorker, failed: bool) -> Event | None:
@@ -169,8 +206,7 @@ class Scheduler:
     async def _set_health(self, dev: Device, health: DeviceHealth, now: float, why: str, **extra: Any) -> None:
         before = dev.health
         new = replace(dev, health=health)
-        await self.devices.put_device(new)
-        self.health.entered(dev.id, now)
         data = {"kind": "health", "device": dev.id, "from": before.value, "to": health.value, "why": why, **extra}
-        await self.events.record_events([Event(ts=now, type=EventType.DEVICE, pool=dev.pool, data=data)])
+        await self.devices.put_device(new, [Event(ts=now, type=EventType.DEVICE, pool=dev.pool, data=data)])
+        self.health.entered(dev.id, now)
         log.info("device %s: %s -> %s (%s)", dev.id, before.value, health.value, why)

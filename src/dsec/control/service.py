@@ -31,7 +31,7 @@ from dsec.control.egress import Egress
 from dsec.control.eventlog import DurableLog
 from dsec.control.gauges import Gauges
 from dsec.control.judge import Judge
-from dsec.control.policies import PolicyRunner
+from dsec.control.policies import PolicyRunner, import_policy_file
 from dsec.control.pools import PoolsAndDevices
 from dsec.control.read_models import ReadModels
 from dsec.control.reconcile import Reconciler
@@ -82,13 +82,14 @@ class ControlPlane:
         self.scheduler = Scheduler(
             self.state, self.log, self.directives, self.inventory, self.judge, clock, settings.device_health
         )
-        self.scheduler.load()
+        self.scheduler.load(store.list_placements())
         self.beats = Beats(self.state, settings, self.log, self.judge, self.access, self.scheduler.run_record, clock)
         self.runtimes = self._runtime_hub(settings, store, clock)
         self.policies = PolicyRunner(
             self.state, settings, self.log, self.gauges, self.directives, self.inventory, clock
         )
-        self.policies.load()
+        import_policy_file(store, settings.home / "policies.yaml", clock)
+        self.policies.load(store.current_policy())
         self.reconciler = Reconciler(
             self.state, settings, store, self.log, self.directives, self.judge, self.beats, self.scheduler,
             self.policies, clock,
@@ -140,11 +141,14 @@ class ControlPlane:
             if w.token_id is not None and w.state is not WorkerState.DEREGISTERED:
                 st.workers_by_token[w.token_id] += 1
         self.access.load()
-        # One pass over the breaker history: meltdown counters, and each worker's level after its last
-        # recorded transition (events come in id order) for the breakers to resume at.
+        # One pass over the breaker history: meltdown counters, each worker's level after its last recorded
+        # transition (events come in id order) for the breakers to resume at, and the restore times of the
+        # workers still held (the pools' recovery gauge).
         levels: dict[str, int] = {}
-        for ev in self.log.iter_events(EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED):
+        for ev in self.log.iter_events(EventType.MELTDOWN, EventType.BREAKER, EventType.RECOVERED, EventType.RESTORE):
             self.log.count(ev)
+            if ev.worker_id in st.workers:
+                self.log.note_restore(ev)
             level = ev.data.get("level_to")
             if ev.worker_id and ev.data.get("kind") == "breaker" and isinstance(level, int):
                 levels[ev.worker_id] = level
@@ -199,8 +203,8 @@ class ControlPlane:
     ) -> Directive:
         return await self.directives.set_directive(w, patch, actor, extra_events)
 
-    async def put_pool(self, pool: Pool, actor: str = "api") -> Pool:
-        return await self.inventory.put_pool(pool, actor)
+    async def put_pool(self, pool: Pool, actor: str = "api", events: Sequence[Event] = ()) -> Pool:
+        return await self.inventory.put_pool(pool, actor, events)
 
     async def delete_pool(self, name: str) -> None:
         await self.inventory.delete_pool(name)

@@ -55,7 +55,8 @@ class Settings:
     alert_group_wait_s: float = 1.0
     alert_group_interval_s: float = 5.0
     alert_repeat_interval_s: float = 300.0
-    # Policy engine: the rule file (else $DSEC_HOME/policies.yaml when one was applied) and how often rules run.
+    # Policy engine: the rule file (else the newest version applied through the API, from the store) and how often
+    # rules run.
     policy_file: Path | None = None
     policy_interval_s: float = 15.0
     # Degraded-device detection and probation; None: the defaults of DeviceHealthConfig.

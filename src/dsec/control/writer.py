@@ -17,7 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from dsec.control.store import Store, WorkerRow, WriteBatch
+from dsec.control.store import PlacementRow, Store, StoreConflict, WorkerRow, WriteBatch
+from dsec.model import Pool
 
 log = logging.getLogger(__name__)
 
@@ -94,25 +95,19 @@ class GroupCommitWriter:
         dirty = self._take_dirty() if flush_dirty else []
         if not items and not dirty:
             return
-        # One row per worker, the newest state winning: a request's own row (not yet applied to the
-        # hot state) is newer than the dirty copy taken from it.
-        rows = {w.id: w for w in dirty}
-        merged = WriteBatch()
-        for batch, _ in items:
-            rows.update((w.id, w) for w in batch.workers)
-            merged.directives.extend(batch.directives)
-            merged.events.extend(batch.events)
-            merged.deleted_workers.extend(batch.deleted_workers)
-        # A deleted worker's row must not be written back by the same transaction.
-        gone = set(merged.deleted_workers)
-        merged.workers = [w for w in rows.values() if w.id not in gone]
-        merged.directives = [d for d in merged.directives if d.worker_id not in gone]
+        merged = merge_batches(dirty, [batch for batch, _ in items])
         try:
             ids = self._store.write(merged)
         except Exception as exc:  # the database may be down; callers get the error, hot rows retry
+            self._mark_dirty(*(w.id for w in dirty))
+            if isinstance(exc, StoreConflict) and len(items) > 1:
+                # One request contradicts the stored state (a policy version another control plane took): the
+                # requests merged with it are fine on their own, so each is written alone.
+                for item in items:
+                    self._commit([item], flush_dirty=False)
+                return
             self.failures += 1
             log.warning("store write failed (%d rows, %d requests): %s", len(merged.workers), len(items), exc)
-            self._mark_dirty(*(w.id for w in dirty))
             for _, fut in items:
                 fut.set_exception(exc)
             return
@@ -136,3 +131,35 @@ class GroupCommitWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def merge_batches(dirty: list[WorkerRow], batches: list[WriteBatch]) -> WriteBatch:
+    """Requests' batches (in submission order) and the dirty hot rows as one batch.
+
+    One row per worker, the newest state winning: a request's own row (not yet applied to the hot state) is newer
+    than the dirty copy taken from it. Pools and placements keep only their last change (an upsert or a deletion),
+    so a pool deleted and re-created by two requests of the same transaction ends up re-created."""
+    rows = {w.id: w for w in dirty}
+    merged = WriteBatch()
+    pools: dict[str, tuple[Pool, float] | None] = {}
+    placements: dict[str, PlacementRow | None] = {}
+    for batch in batches:
+        rows.update((w.id, w) for w in batch.workers)
+        merged.directives.extend(batch.directives)
+        merged.events.extend(batch.events)
+        merged.deleted_workers.extend(batch.deleted_workers)
+        merged.devices.extend(batch.devices)
+        merged.policies.extend(batch.policies)
+        pools.update((p.name, (p, at)) for p, at in batch.pools)
+        pools.update(dict.fromkeys(batch.deleted_pools))
+        placements.update((p.job, p) for p in batch.placements)
+        placements.update(dict.fromkeys(batch.released_placements))
+    # A deleted worker's row must not be written back by the same transaction.
+    gone = set(merged.deleted_workers)
+    merged.workers = [w for w in rows.values() if w.id not in gone]
+    merged.directives = [d for d in merged.directives if d.worker_id not in gone]
+    merged.pools = [p for p in pools.values() if p is not None]
+    merged.deleted_pools = [name for name, p in pools.items() if p is None]
+    merged.placements = [p for p in placements.values() if p is not None]
+    merged.released_placements = [job for job, p in placements.items() if p is None]
+    return merged

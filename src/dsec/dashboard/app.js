@@ -438,6 +438,7 @@
         return `v${d.version ?? "?"} by ${d.by || "?"}: ${changes}`;
       }
       case "pool_changed": {
+        if (d.deleted) return `deleted by ${d.by || "?"}`;
         const spec = d.spec || {};
         const th = spec.thresholds || {};
         return `${d.created ? "created" : "changed"} by ${d.by || "?"}: latency cap ${fmt(th.latency_cap_ms)} ms, ` +

@@ -158,6 +158,29 @@ class Placement:
         }
 
 
+def placement_from_dict(d: Mapping[str, Any]) -> Placement:
+    """The inverse of ``Placement.to_dict`` (scores are derived from the terms, so they are not read back)."""
+    assignments = tuple(
+        Assignment(
+            worker=str(a["worker"]),
+            group=str(a["group"]),
+            role=str(a["role"]),
+            device=str(a["device"]),
+            node=str(a["node"]),
+            numa_node=int(a["numa_node"]),
+            cpus=tuple(int(c) for c in a["cpus"]),
+            terms={str(k): float(v) for k, v in a["terms"].items()},
+        )
+        for a in d["assignments"]
+    )
+    return Placement(
+        job=str(d["job"]),
+        assignments=assignments,
+        unplaced={str(k): str(v) for k, v in d.get("unplaced", {}).items()},
+        excluded={str(k): str(v) for k, v in d.get("excluded", {}).items()},
+    )
+
+
 def _order(group: GroupSpec) -> list[WorkerSpec]:
     """Learners first: actors are then placed relative to them."""
     rank = {"learner": 0, "other": 1, "actor": 2}

@@ -52,3 +52,20 @@ def test_directive_32_written_when_it_meant_default_becomes_null(tmp_path: Path)
     finally:
         store.close()
     assert got == {"w-default": None, "w-eight": 8}
+
+
+def test_a_database_before_placements_and_policies_keeps_its_data_and_gains_empty_tables(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = _at_revision(url, "0003_compression_bits_default")
+    pools = sa.table(
+        "pools", sa.column("name", sa.String), sa.column("spec", sa.JSON), sa.column("updated_at", sa.Float)
+    )
+    with engine.begin() as conn:
+        conn.execute(sa.insert(pools), [{"name": "pool-a", "spec": {"name": "pool-a"}, "updated_at": 1.0}])
+    engine.dispose()
+    store = open_store(url)  # 0004: placements and policy_versions
+    try:
+        assert [p.name for p in store.list_pools()] == ["pool-a"]
+        assert store.list_placements() == [] and store.current_policy() is None
+    finally:
+        store.close()

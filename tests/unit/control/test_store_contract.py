@@ -1,18 +1,12 @@
 """The store contract (dsec.control.store.api.Store), run against every backend.
 
 "sqlite" always runs (a file in tmp_path). "postgres" runs when a PostgreSQL server can be started
-here: a throwaway cluster is created with initdb (from /usr/lib/postgresql/*/bin) in a temporary
-directory owned by the ``postgres`` user, started on a free port, and removed at the end of the
-session. Without initdb that parameter is skipped, with the reason.
+here (the ``postgres_url`` fixture, tests/pg_cluster.py); without initdb that parameter is skipped, with the
+reason.
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +17,8 @@ import pytest
 from dsec.control.server import free_port
 from dsec.control.store import (
     EventQuery,
+    PlacementRow,
+    PolicyRow,
     RuntimeRow,
     Store,
     StoreConflict,
@@ -43,105 +39,7 @@ from dsec.model import (
     Pool,
     PoolThresholds,
 )
-
-# -- a throwaway PostgreSQL cluster -----------------------------------------------------------------
-
-
-def _pg_bin() -> Path | None:
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
-    )
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).parent if initdb else None
-
-
-def _as_postgres(args: list[str]) -> list[str]:
-    """initdb and pg_ctl refuse to run as root: run them as the postgres user then."""
-    if os.geteuid() != 0:
-        return args
-    if shutil.which("runuser"):
-        return ["runuser", "-u", "postgres", "--", *args]
-    import shlex
-
-    return ["su", "postgres", "-s", "/bin/sh", "-c", shlex.join(args)]
-
-
-def _run(args: list[str], what: str) -> None:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed ({proc.returncode}): {proc.stdout}\n{proc.stderr}")
-
-
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL not installed: no initdb under /usr/lib/postgresql/*/bin or on PATH")
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        pytest.skip("psycopg is not installed (pip install 'dsec[postgres]')")
-    if os.geteuid() == 0:
-        try:
-            import pwd
-
-            pg_user = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user to run initdb as")
-    root = Path(tempfile.mkdtemp(prefix="dsec-pg-"))
-    data, sock, log = root / "data", root / "sock", root / "postgres.log"
-    sock.mkdir()
-    if os.geteuid() == 0:
-        for p in (root, sock):
-            os.chown(p, pg_user.pw_uid, pg_user.pw_gid)
-    port = free_port()
-    pg_ctl = str(bindir / "pg_ctl")
-    try:
-        _run(
-            _as_postgres(
-                [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"]
-            ),
-            "initdb",
-        )
-        opts = f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off"
-        _run(
-            _as_postgres([pg_ctl, "-D", str(data), "-o", opts, "-l", str(log), "-w", "-t", "60", "start"]),
-            "pg_ctl start",
-        )
-        _run([str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "dsec"], "createdb")
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        _stop_postgres(pg_ctl, data, root)
-        log_tail = log.read_text()[-2000:] if log.exists() else ""
-        pytest.fail(f"could not start PostgreSQL: {exc}\n{log_tail}")
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/dsec"
-    finally:
-        _stop_postgres(pg_ctl, data, root)
-
-
-def _stop_postgres(pg_ctl: str, data: Path, root: Path) -> None:
-    if (data / "postmaster.pid").exists():
-        subprocess.run(
-            _as_postgres([pg_ctl, "-D", str(data), "stop", "-m", "immediate", "-w"]),
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _reset_postgres(url: str) -> None:
-    """An empty database for the next test: drop and recreate the public schema."""
-    import psycopg
-
-    dsn = url.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DROP SCHEMA public CASCADE")
-        conn.execute("CREATE SCHEMA public")
-
+from pg_cluster import reset_postgres
 
 # -- helpers ------------------------------------------------------------------------------------------
 T0 = 1_700_000_000.123456
@@ -195,7 +93,7 @@ class TestStoreContract:
         if request.param == "sqlite":
             return f"sqlite:///{tmp_path / 'store.db'}"
         url: str = request.getfixturevalue("postgres_url")
-        _reset_postgres(url)
+        reset_postgres(url)
         return url
 
     @pytest.fixture
@@ -505,6 +403,60 @@ class TestStoreContract:
         assert store.list_runtimes() == [reported]
         assert store.delete_runtime("rt-1") is True and store.delete_runtime("rt-1") is False
         assert store.list_runtimes() == []
+
+    # -- pools, devices, placements and policies in batches, each with its event ---------------------
+    def test_a_batch_writes_pools_devices_and_their_events_together(self, store: Store) -> None:
+        store.put_token(TokenRow("b" * 64, "pool-b", "pool", "", T0))
+        store.put_pool(Pool("pool-b"), T0)
+        gpu = Device("gpu0", "node-1", pool="pool-a")
+        store.write(
+            WriteBatch(
+                pools=[(Pool("pool-a", memory_base_gb=2.0), T0)],
+                devices=[(gpu, T0)],
+                deleted_pools=["pool-b"],
+                events=[event(EventType.POOL_CHANGED, wid=None, created=True)],
+            )
+        )
+        assert store.list_pools() == [Pool("pool-a", memory_base_gb=2.0)]
+        assert store.list_devices() == [gpu]
+        assert store.list_tokens() == []  # the deleted pool's token went with it
+        assert [e.type for e in all_events(store)] == [EventType.POOL_CHANGED]
+
+    def test_placements_are_upserted_listed_and_released(self, store: Store) -> None:
+        a = PlacementRow("job-a", "pool-a", {"job": "job-a", "assignments": [{"device": "gpu0"}]}, T0)
+        b = PlacementRow("job-b", None, {"job": "job-b", "assignments": []}, T0 + 1)
+        store.write(WriteBatch(placements=[b, a]))
+        assert store.list_placements() == [a, b]
+        a2 = replace(a, placement={"job": "job-a", "assignments": [{"device": "gpu1"}]}, placed_at=T0 + 2)
+        store.write(WriteBatch(placements=[a2], released_placements=["job-b"]))
+        assert store.list_placements() == [a2]
+
+    def test_policy_versions_newest_wins_and_a_taken_version_conflicts(self, store: Store) -> None:
+        assert store.current_policy() is None
+        v1 = PolicyRow(1, "policies: []\n", "a.yaml", T0)
+        v2 = PolicyRow(2, "policies:\n  - ünï\n", "b.yaml", T0 + 1)
+        store.write(WriteBatch(policies=[v1]))
+        store.write(WriteBatch(policies=[v2]))
+        assert store.current_policy() == v2
+        with pytest.raises(StoreConflict):
+            store.write(WriteBatch(policies=[PolicyRow(2, "other", "c.yaml", T0 + 2)]))
+        assert store.current_policy() == v2
+
+    def test_a_failed_change_writes_neither_it_nor_its_event(self, store: Store) -> None:
+        store.write(WriteBatch(policies=[PolicyRow(1, "x", "a.yaml", T0)]))
+        placed = PlacementRow("job-a", "pool-a", {"job": "job-a"}, T0)
+        # The policy version is taken: the pool, the placement and the events of the batch are not written either.
+        with pytest.raises(StoreConflict):
+            store.write(
+                WriteBatch(
+                    pools=[(Pool("pool-a"), T0)],
+                    placements=[placed],
+                    policies=[PolicyRow(1, "y", "b.yaml", T0)],
+                    events=[event(EventType.POOL_CHANGED), event(EventType.PLACEMENT), event(EventType.POLICY)],
+                )
+            )
+        assert store.list_pools() == [] and store.list_placements() == [] and store.count_events() == 0
+        assert store.current_policy() == PolicyRow(1, "x", "a.yaml", T0)
 
 
 def test_unopenable_sqlite_path_is_store_unavailable(tmp_path: Path) -> None:

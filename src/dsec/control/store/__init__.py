@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dsec.control.store.api import (
     EventQuery,
+    PlacementRow,
+    PolicyRow,
     RuntimeRow,
     Store,
     StoreConflict,
@@ -26,6 +28,8 @@ def open_store(url: str) -> Store:
 
 __all__ = [
     "EventQuery",
+    "PlacementRow",
+    "PolicyRow",
     "RuntimeRow",
     "Store",
     "StoreConflict",

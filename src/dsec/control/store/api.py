@@ -75,18 +75,49 @@ class RuntimeRow:
     reported_at: float | None
 
 
+@dataclass(frozen=True)
+class PlacementRow:
+    """A job's placement (``Placement.to_dict()``): the devices it holds until it is released."""
+
+    job: str
+    pool: str | None
+    placement: Mapping[str, Any]
+    placed_at: float
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """One applied policy text. ``version`` is the previous one's + 1 (a version already stored: StoreConflict)."""
+
+    version: int
+    text: str
+    source: str
+    applied_at: float
+
+
 @dataclass
 class WriteBatch:
-    """Everything written in one transaction (group commit)."""
+    """Everything written in one transaction (group commit): a change and the event that records it commit together
+    or not at all. Deletions apply after the upserts of the same batch (the writer keeps only the last change of a
+    key when it merges requests, so one merged batch never holds both for the same key)."""
 
     workers: list[WorkerRow] = field(default_factory=list)
     directives: list[Directive] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     # Workers to forget (with their directives; their events stay), after the upserts of the same batch.
     deleted_workers: list[str] = field(default_factory=list)
+    pools: list[tuple[Pool, float]] = field(default_factory=list)  # (pool, updated_at)
+    deleted_pools: list[str] = field(default_factory=list)  # with their pool tokens
+    devices: list[tuple[Device, float]] = field(default_factory=list)  # (device, updated_at)
+    placements: list[PlacementRow] = field(default_factory=list)
+    released_placements: list[str] = field(default_factory=list)  # job names
+    policies: list[PolicyRow] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.workers or self.directives or self.events or self.deleted_workers)
+        return any(getattr(self, f) for f in _BATCH_FIELDS)
+
+
+_BATCH_FIELDS = tuple(WriteBatch.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
@@ -106,9 +137,12 @@ class Store(Protocol):
     def migrate(self) -> None: ...
     def close(self) -> None: ...
 
-    def put_pool(self, pool: Pool, now: float) -> None: ...
+    def put_pool(self, pool: Pool, now: float) -> None:
+        """Outside the writer: start-up only (``--cluster``); changes go in a ``WriteBatch`` with their event."""
+        ...
+
     def delete_pool(self, name: str) -> bool:
-        """Delete the pool and, in the same transaction, revoke its pool tokens."""
+        """Delete the pool and, in the same transaction, revoke its pool tokens (``WriteBatch.deleted_pools`` too)."""
         ...
 
     def list_pools(self) -> list[Pool]: ...
@@ -135,3 +169,8 @@ class Store(Protocol):
     def put_runtime(self, runtime: RuntimeRow) -> None: ...
     def list_runtimes(self) -> list[RuntimeRow]: ...
     def delete_runtime(self, runtime_id: str) -> bool: ...
+
+    def list_placements(self) -> list[PlacementRow]: ...
+    def current_policy(self) -> PolicyRow | None:
+        """The newest applied policy (None when none was ever applied)."""
+        ...

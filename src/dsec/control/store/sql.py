@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 import dsec.control.store.tables as t
 from dsec.control.store.api import (
     EventQuery,
+    PlacementRow,
+    PolicyRow,
     RuntimeRow,
     StoreConflict,
     StoreError,
@@ -171,39 +174,60 @@ class SqlStore:
 
     # -- the batched write path ------------------------------------------------------------
     def write(self, batch: WriteBatch) -> list[int]:
-        worker_rows = [_worker_to_row(w) for w in batch.workers]
+        def go() -> list[int]:
+            with self._engine.begin() as conn:
+                self._write_state(conn, batch)
+                ids = self._insert_events(conn, batch.events)
+                self._write_deletions(conn, batch)
+            return ids
+
+        return list(self._run("write", go))
+
+    def _write_state(self, conn: Connection, batch: WriteBatch) -> None:
+        """The batch's upserts (and policy versions, inserted: an existing version is a conflict)."""
+        self._upsert(conn, t.workers, [_worker_to_row(w) for w in batch.workers], "id")
         directive_rows = [
             {"worker_id": d.worker_id, "version": d.version, "fields": d.fields.to_dict(), "updated_at": d.updated_at}
             for d in batch.directives
         ]
+        self._upsert(conn, t.directives, directive_rows, "worker_id")
+        pool_rows = [{"name": p.name, "spec": p.to_dict(), "updated_at": at} for p, at in batch.pools]
+        self._upsert(conn, t.pools, pool_rows, "name")
+        self._upsert(conn, t.devices, [{"id": d.id, "spec": d.to_dict(), "updated_at": at} for d, at in batch.devices],
+                     "id")  # fmt: skip
+        placement_rows = [
+            {"job": p.job, "pool": p.pool, "placement": dict(p.placement), "placed_at": p.placed_at}
+            for p in batch.placements
+        ]
+        self._upsert(conn, t.placements, placement_rows, "job")
+        if batch.policies:
+            conn.execute(insert(t.policy_versions), [asdict(p) for p in batch.policies])
 
-        def go() -> list[int]:
-            ids: list[int] = []
-            with self._engine.begin() as conn:
-                self._upsert(conn, t.workers, worker_rows, "id")
-                self._upsert(conn, t.directives, directive_rows, "worker_id")
-                if batch.events:
-                    # One executemany INSERT ... RETURNING, ids in parameter order on every backend
-                    # (SQLAlchemy's "insertmanyvalues").
-                    rows = [
-                        {
-                            "ts": ev.ts,
-                            "type": ev.type.value,
-                            "worker_id": ev.worker_id,
-                            "pool": ev.pool,
-                            "data": dict(ev.data),
-                        }
-                        for ev in batch.events
-                    ]
-                    res = conn.execute(insert(t.events).returning(t.events.c.id, sort_by_parameter_order=True), rows)
-                    ids.extend(int(i) for i in res.scalars())
-                if batch.deleted_workers:
-                    gone = list(batch.deleted_workers)
-                    conn.execute(delete(t.directives).where(t.directives.c.worker_id.in_(gone)))
-                    conn.execute(delete(t.workers).where(t.workers.c.id.in_(gone)))
-            return ids
+    @staticmethod
+    def _insert_events(conn: Connection, events: Sequence[Event]) -> list[int]:
+        if not events:
+            return []
+        # One executemany INSERT ... RETURNING, ids in parameter order on every backend (SQLAlchemy's
+        # "insertmanyvalues").
+        rows = [
+            {"ts": ev.ts, "type": ev.type.value, "worker_id": ev.worker_id, "pool": ev.pool, "data": dict(ev.data)}
+            for ev in events
+        ]
+        res = conn.execute(insert(t.events).returning(t.events.c.id, sort_by_parameter_order=True), rows)
+        return [int(i) for i in res.scalars()]
 
-        return list(self._run("write", go))
+    @staticmethod
+    def _write_deletions(conn: Connection, batch: WriteBatch) -> None:
+        if batch.deleted_workers:
+            gone = list(batch.deleted_workers)
+            conn.execute(delete(t.directives).where(t.directives.c.worker_id.in_(gone)))
+            conn.execute(delete(t.workers).where(t.workers.c.id.in_(gone)))
+        if batch.deleted_pools:
+            # A pool re-created under the same name must not accept the old pool's tokens.
+            conn.execute(delete(t.tokens).where(t.tokens.c.pool.in_(batch.deleted_pools)))
+            conn.execute(delete(t.pools).where(t.pools.c.name.in_(batch.deleted_pools)))
+        if batch.released_placements:
+            conn.execute(delete(t.placements).where(t.placements.c.job.in_(batch.released_placements)))
 
     def list_workers(self) -> list[WorkerRow]:
         def go() -> list[WorkerRow]:
@@ -339,6 +363,25 @@ class SqlStore:
                 return conn.execute(delete(t.runtimes).where(t.runtimes.c.id == runtime_id)).rowcount > 0
 
         return bool(self._run("delete_runtime", go))
+
+    # -- placements and policies (written in batches, with their events) ---------------------
+    def list_placements(self) -> list[PlacementRow]:
+        def go() -> list[PlacementRow]:
+            with self._engine.connect() as conn:
+                rows = conn.execute(select(t.placements).order_by(t.placements.c.job)).mappings().all()
+            return [PlacementRow(**dict(r)) for r in rows]
+
+        return list(self._run("list_placements", go))
+
+    def current_policy(self) -> PolicyRow | None:
+        def go() -> PolicyRow | None:
+            stmt = select(t.policy_versions).order_by(t.policy_versions.c.version.desc()).limit(1)
+            with self._engine.connect() as conn:
+                row = conn.execute(stmt).mappings().first()
+            return None if row is None else PolicyRow(**dict(row))
+
+        result: PolicyRow | None = self._run("current_policy", go)
+        return result
 
 
 def _worker_to_row(w: WorkerRow) -> dict[str, Any]:

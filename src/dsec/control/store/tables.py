@@ -87,3 +87,23 @@ runtimes = Table(
     Column("report", JSON, nullable=False),
     Column("reported_at", Float, nullable=True),
 )
+
+placements = Table(
+    "placements",
+    metadata,
+    Column("job", String(128), primary_key=True),
+    Column("pool", String(128), nullable=True),
+    Column("placement", JSON, nullable=False),  # dsec.scheduler.placement.Placement.to_dict()
+    Column("placed_at", Float, nullable=False),
+)
+
+# Every applied policy text, one row per version (the newest is in force); versions are given by the control plane
+# (the highest + 1), so two control planes applying at once conflict instead of one silently winning.
+policy_versions = Table(
+    "policy_versions",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("text", Text, nullable=False),
+    Column("source", String(256), nullable=False),
+    Column("applied_at", Float, nullable=False),
+)

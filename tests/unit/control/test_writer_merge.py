@@ -1,0 +1,98 @@
+"""The group-commit writer: how requests' batches merge into one transaction, and that one request contradicting the
+store does not fail the requests merged with it. A real SQLite store."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec.control.store import EventQuery, PlacementRow, PolicyRow, StoreConflict, WorkerRow, WriteBatch, open_store
+from dsec.control.store.sql import SqlStore
+from dsec.control.writer import GroupCommitWriter, merge_batches
+from dsec.model import Event, EventType, Pool
+
+
+def ev(msg: str) -> Event:
+    return Event(ts=1.0, type=EventType.LOG, data={"msg": msg})
+
+
+def placed(job: str) -> PlacementRow:
+    return PlacementRow(job, None, {"job": job, "assignments": []}, 1.0)
+
+
+def test_the_last_change_of_a_pool_or_placement_wins_and_events_keep_their_order() -> None:
+    merged = merge_batches(
+        [],
+        [
+            WriteBatch(deleted_pools=["a"], placements=[placed("j1")], events=[ev("1")]),
+            WriteBatch(pools=[(Pool("a"), 2.0)], released_placements=["j1", "j2"], events=[ev("2")]),
+            WriteBatch(deleted_pools=["b"], placements=[placed("j2")], events=[ev("3")]),
+        ],
+    )
+    assert merged.pools == [(Pool("a"), 2.0)] and merged.deleted_pools == ["b"]
+    assert merged.placements == [placed("j2")] and merged.released_placements == ["j1"]
+    assert [e.data["msg"] for e in merged.events] == ["1", "2", "3"]
+
+
+def test_a_request_row_is_newer_than_the_dirty_copy_and_deleted_workers_stay_deleted() -> None:
+    def row(wid: str, beats: int) -> WorkerRow:
+        return WorkerRow(wid, "p", {}, "active", "h", 0.0, 0.0, 0, 0, beats, {})
+
+    merged = merge_batches(
+        [row("w1", 1), row("w2", 1)], [WriteBatch(workers=[row("w1", 2)]), WriteBatch(deleted_workers=["w2"])]
+    )
+    assert merged.workers == [row("w1", 2)] and merged.deleted_workers == ["w2"]
+
+
+class GatedStore(SqlStore):
+    """A real SQLite store whose next write, once ``armed``, waits for ``gate``: the requests submitted meanwhile
+    queue up and are merged into the following transaction."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.armed = threading.Event()
+        self.writing = threading.Event()
+        self.gate = threading.Event()
+
+    def write(self, batch: WriteBatch) -> list[int]:
+        if self.armed.is_set():
+            self.armed.clear()
+            self.writing.set()
+            assert self.gate.wait(10)
+        return super().write(batch)
+
+
+@pytest.fixture
+def gated(tmp_path: Path) -> Iterator[GatedStore]:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    open_store(url).close()  # migrated
+    store = GatedStore(url)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def test_a_conflicting_request_fails_alone(gated: GatedStore) -> None:
+    gated.write(WriteBatch(policies=[PolicyRow(1, "x", "a.yaml", 1.0)]))  # version 1 is taken
+    writer = GroupCommitWriter(gated, take_dirty=list, mark_dirty=lambda *ids: None, flush_interval_s=60)
+    try:
+        gated.armed.set()
+        first = writer.submit(WriteBatch(events=[ev("first")]))
+        assert gated.writing.wait(10)
+        # Both queue while the first transaction runs, so they are merged into the next one.
+        conflicting = writer.submit(WriteBatch(policies=[PolicyRow(1, "y", "b.yaml", 2.0)], events=[ev("lost")]))
+        innocent = writer.submit(WriteBatch(events=[ev("kept")]))
+        gated.gate.set()
+        assert len(first.result(10)) == 1
+        with pytest.raises(StoreConflict):
+            conflicting.result(10)
+        assert len(innocent.result(10)) == 1
+    finally:
+        writer.close()
+    assert gated.current_policy() == PolicyRow(1, "x", "a.yaml", 1.0)
+    assert [e.data["msg"] for e in gated.query_events(EventQuery(limit=100))] == ["first", "kept"]
+    assert writer.failures == 1
