@@ -124,7 +124,9 @@ def launch(
         printer[0].out(f"recovered group {r.group}: " + json.dumps(r.timings()), highlight=False, soft_wrap=True)
 
     with admin_client(endpoint, admin_token) as c:
-        launcher = make_launcher(spec.launcher, log_dir=log_dir, base_env=dict(os.environ), warm=spec.warm_standby)
+        launcher = make_launcher(
+            spec.launcher, log_dir=log_dir, base_env=dict(os.environ), warm=spec.warm_standby, ray=spec.ray
+        )
         sup = Supervisor(spec, launcher, client=c, endpoint=endpoint, pool_token=token, on_recovery=report)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:

@@ -21,7 +21,12 @@ def make_launcher(name: str, **options: Any) -> Launcher:
     if name == "ray":
         from dsec.launch.ray_backend import RayLauncher
 
-        return RayLauncher(address=options.get("address"))
+        ray = options.get("ray")  # jobfile.RaySettings, when the job file has one
+        return RayLauncher(
+            address=options.get("address", ray.address if ray else None),
+            gpus=ray.gpus if ray else "auto",
+            local_cpus=ray.local_cpus if ray else 64,
+        )
     raise ValueError(f"launcher {name!r} is unknown: expected one of {', '.join(BACKENDS)}")
 
 

@@ -4,7 +4,7 @@ Example (``examples/jobs/ppo.yaml``)::
 
     job: ppo-cartpole
     pool: pool-0
-    launcher: local                      # local | ray
+    launcher: local                      # local | ray (examples/jobs/ppo-ray.yaml; ``ray:`` settings)
     snapshots: {dir: .dsec/snapshots, interval_s: 5}
     restart: {max_restarts: 3}
     groups:
@@ -50,6 +50,16 @@ class RestartSettings(_Strict):
     admit_timeout_s: float = Field(120.0, gt=0, le=3600)
 
 
+class RaySettings(_Strict):
+    """``launcher: ray`` only (launch/ray_cluster.py). ``address``: none = ``RAY_ADDRESS`` if set, else a local Ray
+    started for this job and stopped with it; ``auto`` = the cluster ``ray start`` runs on this machine; or an
+    address. ``gpus``: ``auto`` asks for a GPU per placed worker only when the cluster has GPUs."""
+
+    address: str | None = Field(None, min_length=1, max_length=512)
+    gpus: Literal["auto", "always", "never"] = "auto"
+    local_cpus: int = Field(64, ge=1, le=4096)  # logical CPUs of a local Ray (a worker takes one)
+
+
 class GroupFile(_Strict):
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     role: Literal["learner", "actor", "other"] = "learner"
@@ -71,6 +81,7 @@ class JobFile(_Strict):
     warm_standby: bool = False
     snapshots: SnapshotSettings = Field(default_factory=SnapshotSettings)
     restart: RestartSettings = Field(default_factory=RestartSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
     groups: list[GroupFile] = Field(..., min_length=1)
 
     def spec(self) -> JobSpec:

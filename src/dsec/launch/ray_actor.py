@@ -40,16 +40,20 @@ def _command_class() -> Any:
     """The actor's process side, with no Ray in it: hold the command's process, wait for it, stop it."""
 
     class Command:
-        def __init__(self, worker: str, command: list[str], env: dict[str, str], cpus: list[int]) -> None:
+        def __init__(
+            self, worker: str, command: list[str], env: dict[str, str], cpus: list[int], cwd: str = ""
+        ) -> None:
             import threading
 
             self.worker = worker
             self.command = command
             self.env = env
             self.cpus = cpus
+            self.cwd = cwd  # the driver's working directory: relative paths in the command mean the same there
             self.proc: Any = None
             self.cuda = ""
             self.error = ""
+            self.probe = ""  # "" when the command runs under the probe, else why not
             self.spawned = threading.Event()
 
         def wait(self) -> int:
@@ -94,7 +98,11 @@ def runner_class() -> Any:
     command_class = _command_class()
 
     class Runner(command_class):  # type: ignore[misc,valid-type]
-        def run(self) -> int:
+        def node_ip(self) -> str:
+            """The address of this actor's node (the group's rendezvous address when it holds rank 0)."""
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+
+        def run(self, extra_env: dict[str, str] | None = None, unset: list[str] | None = None) -> int:
             """Start the command and answer its exit status (negative: killed by that signal).
 
             The thread that spawns the command waits for it, so the death signal armed in the child (bound to the
@@ -103,12 +111,14 @@ def runner_class() -> Any:
             import subprocess
 
             self.cuda = ",".join(str(i) for i in ray.get_gpu_ids())
-            env = dict(os.environ)
-            env.update(self.env)
+            env = self._with_probe({**self.env, **(extra_env or {})})
+            for name in unset or ():
+                env.pop(name, None)
             env["CUDA_VISIBLE_DEVICES"] = self.cuda
             argv = [sys.executable, "-c", _EXEC_SHIM, str(os.getpid()), ",".join(map(str, self.cpus)), *self.command]
+            cwd = self.cwd if self.cwd and os.path.isdir(self.cwd) else None
             try:
-                self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+                self.proc = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True)
             except OSError as e:
                 self.error = f"cannot start {self.command[0]!r}: {e}"
                 return 127
@@ -130,7 +140,20 @@ def runner_class() -> Any:
                 "pid": self.proc.pid if self.proc is not None else None,
                 "actor_pid": os.getpid(),
                 "error": self.error,
+                "probe": self.probe,
             }
+
+        def _with_probe(self, settings: dict[str, str]) -> dict[str, str]:
+            """The command's environment: this node's, the worker's settings, and the probe injected as ``dsec run``
+            does when DSec is installed on this node (else the command runs without it, and ``info`` says why)."""
+            import os
+
+            try:
+                from dsec.probe.launch import probe_env
+            except ImportError as e:
+                self.probe = f"dsec is not importable on this node ({e}): the command runs without the probe"
+                return {**os.environ, **settings}
+            return probe_env(os.environ, settings)
 
     Runner.__name__ = Runner.__qualname__ = "DsecWorker"  # how Ray names it in errors and logs
     _RUNNER = ray.remote(Runner)

@@ -39,22 +39,21 @@ Ray is imported lazily: importing DSec never imports Ray.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.launch.base import Exit, WorkerLaunch
 from dsec.launch.ray_actor import runner_class
-
-NODE_LABEL = "dsec/node"
+from dsec.launch.ray_cluster import NODE_LABEL, GpuMode, connect, known_nodes, rendezvous, wants_gpu
 
 
 @dataclass
 class _Running:
     launch: WorkerLaunch
     actor: Any
-    run_ref: Any
+    run_ref: Any  # the command's exit status (None until started, or while re-attaching)
     info: dict[str, Any] = field(default_factory=dict)
     reported: bool = False
     error: str = ""
@@ -84,15 +83,20 @@ class RayLauncher:
         pg_timeout_s: float = 60.0,
         *,
         grace_s: float = 0.0,
+        gpus: GpuMode = "auto",
+        local_cpus: int = 64,
     ) -> None:
         import ray
 
         self.pg_timeout_s = pg_timeout_s
         self.grace_s = grace_s
         self.namespace = namespace
+        self.gpus = gpus
         self._owns_ray = False
+        # A local Ray started here has one node (this machine): nothing to pin to; see ray_cluster.py.
+        self._local = False
         if not ray.is_initialized():
-            ray.init(address=address, namespace=namespace)
+            self._local = connect(address, namespace, local_cpus)
             self._owns_ray = True
         self._groups: dict[str, _Group] = {}
         self._stopped = False
@@ -128,11 +132,11 @@ class RayLauncher:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundles: list[dict[str, float]] = [
-            {"CPU": 1.0, "GPU": 1.0} if w.device is not None else {"CPU": 1.0} for w in members
-        ]
-        selectors = [{NODE_LABEL: w.node} if w.node is not None else {} for w in members]
-        nodes = {w.node for w in members}
+        gpu = [wants_gpu(self.gpus, w.device is not None) for w in members]
+        bundles: list[dict[str, float]] = [{"CPU": 1.0, "GPU": 1.0} if g else {"CPU": 1.0} for g in gpu]
+        pin = not self._local
+        selectors = [{NODE_LABEL: w.node} if pin and w.node is not None else {} for w in members]
+        nodes = {w.node for w in members} if pin else {None}
         strategy = "STRICT_PACK" if len(nodes) == 1 and None not in nodes else "PACK"
         pg = placement_group(
             bundles, strategy=strategy, name=f"{self.namespace}:{group}", bundle_label_selector=selectors
@@ -140,27 +144,33 @@ class RayLauncher:
         if not pg.wait(timeout_seconds=self.pg_timeout_s):
             remove_placement_group(pg)
             wanted = ", ".join(
-                f"{w.worker}->{w.node or 'any node'}{' (GPU)' if w.device is not None else ''}" for w in members
+                f"{w.worker}->{(w.node if pin else None) or 'any node'}{' (GPU)' if g else ''}"
+                for w, g in zip(members, gpu, strict=True)
             )
             raise RuntimeError(
                 f"group {group!r} could not be placed within {self.pg_timeout_s:g} s ({strategy} placement group: "
-                f"{wanted}); nodes Ray knows by {NODE_LABEL}: {', '.join(_known_nodes()) or 'none'}"
+                f"{wanted}); nodes Ray knows by {NODE_LABEL}: {', '.join(known_nodes()) or 'none'} (label each node "
+                f"with its DSec name: ray start --labels {NODE_LABEL}=<node>; docs/scheduling.md)"
             )
         runner = runner_class()
         out = _Group(group, pg, strategy, [])
         try:
-            for i, w in enumerate(members):
+            for i, (w, g) in enumerate(zip(members, gpu, strict=True)):
                 actor = runner.options(
                     num_cpus=1,
-                    num_gpus=1 if w.device is not None else 0,
+                    num_gpus=1 if g else 0,
                     max_restarts=0,
                     max_task_retries=0,
                     max_concurrency=8,  # info()/terminate()/wait() answer while run() waits for the command
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=i
                     ),
-                ).remote(w.worker, list(w.command), dict(w.env), list(w.cpus))
-                out.workers.append(_Running(w, actor, actor.run.remote()))
+                ).remote(w.worker, list(w.command), dict(w.env), list(w.cpus), os.getcwd())
+                out.workers.append(_Running(w, actor, None))
+            # one node (STRICT_PACK, or a local Ray): the one-machine rendezvous holds, no round trip to ask
+            extra, unset = self._rendezvous(out.workers) if strategy == "PACK" and not self._local else ({}, [])
+            for r in out.workers:
+                r.run_ref = r.actor.run.remote(extra, unset)
             infos = ray.get([r.actor.info.remote(self.pg_timeout_s) for r in out.workers], timeout=self.pg_timeout_s)
         except Exception as e:  # GetTimeoutError, ActorDiedError (its node went away meanwhile), ...
             self._teardown(out)
@@ -173,6 +183,14 @@ class RayLauncher:
             if info.get("error"):
                 r.error = info["error"]
         return out
+
+    def _rendezvous(self, workers: list[_Running]) -> tuple[dict[str, str], list[str]]:
+        """Rank 0's address for a group whose actors landed on several hosts (see ray_cluster.rendezvous)."""
+        import ray
+
+        ips = ray.get([r.actor.node_ip.remote() for r in workers], timeout=self.pg_timeout_s)
+        rank0 = next(ip for r, ip in zip(workers, ips, strict=True) if r.launch.rank == 0)
+        return rendezvous(workers[0].launch.env, rank0, set(ips))
 
     # -- watching ------------------------------------------------------------------------------------------------
     def poll(self) -> list[Exit]:
@@ -289,12 +307,3 @@ def _describe(e: BaseException) -> str:
 def _quietly(fn: Any, *args: Any, **kwargs: Any) -> None:
     with contextlib.suppress(Exception):
         fn(*args, **kwargs)
-
-
-def _known_nodes() -> Iterable[str]:
-    """The ``dsec/node`` labels of the live Ray nodes."""
-    import ray
-
-    nodes = ray.nodes()  # type: ignore[no-untyped-call]
-    labels = (n.get("Labels") or {} for n in nodes if n.get("Alive"))
-    return sorted({str(lab[NODE_LABEL]) for lab in labels if NODE_LABEL in lab})
