@@ -134,15 +134,31 @@ class ServerProcess:
             cmd += ["--setting", kv]
         if wrap:
             cmd += ["--wrap", wrap]
+        self._cmd = cmd
+        self._startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
         env = dict(os.environ)
         env.pop("DSEC_DATABASE_URL", None)  # always the temporary SQLite store
         # The child's stdout goes to our stderr: our stdout's last line is the JSON result.
-        self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(cmd, stdout=sys.stderr, env=env)
+        self.proc = subprocess.Popen(self._cmd, stdout=sys.stderr, env=env)
         try:
-            self._wait_healthy(startup_timeout_s)
+            self._wait_healthy(self._startup_timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def kill_and_restart(self) -> float:
+        """SIGKILL the control plane (no shutdown, no flush: a crash) and start it again on the same store and
+        port; answers the seconds from the kill until the new one answers /healthz."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        self.proc.kill()
+        self.proc.wait()
+        self._spawn()
+        return time.monotonic() - t0
 
     @property
     def url(self) -> str:
