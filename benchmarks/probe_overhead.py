@@ -10,19 +10,30 @@ thread beating every ``--heartbeat`` s). Blocks of ``--steps`` steps alternate i
 before an A block the probe's global patches (collectives, optimizer step hooks, clip_grad_norm_, backward) are
 installed, before a B block they are removed, so B runs the plain torch path.
 
-overhead_ratio = mean over pairs of (t_A - t_B) / mean t_B, plus the reporter thread's CPU time per step / the
-plain step time (the thread runs during both kinds of block, so the pairs cancel it; it is added as if every
-microsecond of it took the GIL from training). overhead_ci95: a 95% interval for the paired part (normal
-approximation over the pairs; outlier pairs — |d| beyond 6 MADs, the shared machine's hiccups — are dropped
-and counted), shifted by the reporter share.
+overhead_ratio = mean over pairs of (cpu_A - cpu_B) / mean cpu_B, where cpu is the block's *process CPU time*
+(every thread of this process: the comm hook's callbacks run on gloo's), plus the reporter thread's CPU time per
+step / the plain step's CPU time (the thread runs during both kinds of block, so the pairs cancel it; it is added as
+if every microsecond of it took the GIL from training). CPU time leaves out the time the shared machine's other
+processes held the CPU, the largest noise of wall-time pairs; what it cannot see is overhead that is waiting
+(a hook that makes training sleep), so the same figures from wall time are reported too (``overhead_ratio_wall``,
+``overhead_ci95_wall``). CIs: normal approximation over the pairs; outlier pairs — |d| beyond 6 MADs — are dropped
+and counted.
 
-Per component (microseconds per step, from perf_counter_ns wrappers in a separate attribution pass; the
-wrappers' own cost, ~0.2 µs per call, is included): ``comm_hook`` (the probe's Python around each DDP bucket:
-cycle bookkeeping, header encode/decode, launching the collective, copy-back and the norm), ``optimizer_hook``
-(step pre/post hooks and the accumulation gate), ``env_hook`` (the episode monitor around the env's step),
-``reporter_thread`` (its CPU time per step).
+``overhead_instrumented`` (+ ``_ci95``): a second, finer figure from a separate attribution pass — per block of
+``--steps`` steps, the CPU time spent inside the probe's hooks (thread_time_ns wrappers) over the block's process
+CPU time, plus the reporter share; CI over the blocks. The wrappers' own cost (thread_time_ns is ~1 µs here) is
+calibrated on no-op functions and subtracted (``timer_bias_ns``). It is a lower bound: it leaves out what the hooks
+cost outside their own Python (DDP calling a Python hook instead of its C++ one, the futures' machinery, the
+patched functions' dispatch).
 
-Last stdout line: one JSON object {"overhead_ratio", "overhead_ci95", "components_us", "step_us", ...}.
+Per component (microseconds of CPU per step, same pass; wall-clock figures in ``components_wall_us``):
+``comm_hook`` (the probe's Python around each DDP bucket: cycle bookkeeping, header encode/decode on the steps
+that carry it, launching the collective, copy-back and the norm), ``optimizer_hook`` (step pre/post hooks and the
+accumulation gate), ``env_hook`` (the episode monitor around the env's step), ``reporter_thread`` (its CPU time
+per step).
+
+Last stdout line: one JSON object {"overhead_ratio", "overhead_ci95", "overhead_instrumented", "components_us",
+"step_us", ...}.
 """
 
 from __future__ import annotations
@@ -95,34 +106,75 @@ class Workload:
         self.opt.step()
 
 
-def _block(w: Workload, steps: int) -> float:
-    t0 = time.perf_counter_ns()
+def _block(w: Workload, steps: int) -> tuple[float, float]:
+    """(wall µs, process CPU µs) of ``steps`` training steps. Process CPU time counts every thread of this process
+    (the comm hook's callbacks run on gloo's thread) and none of the time the shared machine's other processes held
+    the CPU — the noise that wall time pairs cannot average away at 0.1%."""
+    c0, t0 = time.process_time_ns(), time.perf_counter_ns()
     for _ in range(steps):
         w.step()
-    return (time.perf_counter_ns() - t0) / 1e3  # µs
+    return (time.perf_counter_ns() - t0) / 1e3, (time.process_time_ns() - c0) / 1e3
 
 
 class Timer:
-    """Time inside wrapped functions; nested calls of the same timer (a completion callback that runs inside the
-    call that launched the collective) count once."""
+    """Time inside wrapped functions, wall (perf_counter_ns) and the calling thread's CPU (thread_time_ns); nested
+    calls on one thread (a completion callback that runs inside the call that launched the collective) count once.
+    Calls on different threads (the comm hook's callbacks run on gloo's) are counted separately."""
 
     def __init__(self) -> None:
         self.ns = 0
-        self._depth = 0
+        self.cpu_ns = 0
+        self.calls = 0  # counted (outermost) calls
+        self._local = threading.local()
 
     def wrap(self, fn: Any) -> Any:
+        local = self._local
+
         @functools.wraps(fn)
         def timed(*a: Any, **k: Any) -> Any:
-            self._depth += 1
-            t0 = time.perf_counter_ns()
+            depth = getattr(local, "depth", 0)
+            local.depth = depth + 1
+            if depth:
+                try:
+                    return fn(*a, **k)
+                finally:
+                    local.depth = depth
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             try:
                 return fn(*a, **k)
             finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self.ns += time.perf_counter_ns() - t0
+                local.depth = depth
+                self.ns += time.perf_counter_ns() - t0
+                self.cpu_ns += time.thread_time_ns() - c0
+                self.calls += 1
 
         return timed
+
+
+def _calibrate(calls: int = 20_000) -> tuple[float, float]:
+    """What the Timer itself adds, in CPU ns per counted call: (one wrapped call, the outer-minus-inner of a wrapped
+    call around a wrapped call: the env monitor's measurement) — measured on functions that do nothing, and
+    subtracted from the components (thread_time_ns costs ~1 µs on this machine, which the hooks would otherwise be
+    charged for)."""
+    one, outer, inner = Timer(), Timer(), Timer()
+    noop = one.wrap(lambda: None)
+    nested = outer.wrap(inner.wrap(lambda: None))
+    for _ in range(calls):
+        noop()
+        nested()
+    return one.cpu_ns / calls, (outer.cpu_ns - inner.cpu_ns) / calls
+
+
+def _paired(a: list[float], b: list[float], steps: int) -> tuple[float, float, int, float]:
+    """(mean paired difference / mean B, its 95% half-width, pairs dropped as outliers, mean B per step): pairs
+    whose difference lies beyond 6 MADs (the shared machine's hiccups) are dropped and counted."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    med = statistics.median(d)
+    mad = statistics.median(abs(x - med) for x in d) or 1e-9
+    kept = [x for x in d if abs(x - med) <= 6 * 1.4826 * mad]
+    mean_b = statistics.mean(b)
+    half = 1.96 * statistics.stdev(kept) / len(kept) ** 0.5 / mean_b
+    return statistics.mean(kept) / mean_b, half, len(d) - len(kept), mean_b / steps
 
 
 def _thread_cpu_s(thread: threading.Thread | None) -> float:
@@ -210,39 +262,34 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
     rep = probe.reporter
     thread = getattr(rep, "_thread", None)
     cpu0, wall0 = _thread_cpu_s(thread), time.perf_counter()
-    a_us, b_us = [], []
+    wall: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.pairs):
         order = [True, False]
         rng.shuffle(order)
-        t: dict[bool, float] = {}
         for on in order:
             active(on)
-            t[on] = _block(probed if on else plain, args.steps)
-        a_us.append(t[True])
-        b_us.append(t[False])
+            w_us, c_us = _block(probed if on else plain, args.steps)
+            wall[on].append(w_us)
+            cpu[on].append(c_us)
     cpu_s, wall_s = _thread_cpu_s(thread) - cpu0, time.perf_counter() - wall0
     steps_total = 2 * args.pairs * args.steps
     beats = rep.beats_sent if rep is not None and hasattr(rep, "beats_sent") else None
 
-    # Paired differences, robust to the shared machine's hiccups.
-    d = [a - b for a, b in zip(a_us, b_us, strict=True)]
-    med = statistics.median(d)
-    mad = statistics.median(abs(x - med) for x in d) or 1e-9
-    kept = [x for x in d if abs(x - med) <= 6 * 1.4826 * mad]
-    mean_b = statistics.mean(b_us)
-    paired = statistics.mean(kept) / mean_b
-    half = 1.96 * statistics.stdev(kept) / len(kept) ** 0.5 / mean_b
-    step_us = mean_b / args.steps
+    cpu_paired, cpu_half, cpu_dropped, cpu_step_us = _paired(cpu[True], cpu[False], args.steps)
+    wall_paired, wall_half, wall_dropped, step_us = _paired(wall[True], wall[False], args.steps)
     reporter_us = cpu_s * 1e6 / steps_total
-    reporter_share = reporter_us / step_us
-    overhead = paired + reporter_share
+    reporter_share = reporter_us / cpu_step_us
+    overhead = cpu_paired + reporter_share
+    overhead_wall = wall_paired + reporter_us / step_us
 
     # Attribution pass: time inside each component's code (probe active throughout).
     active(True)
     comm, optim, env_outer, env_inner = Timer(), Timer(), Timer(), Timer()
     for coord in inst.coordinators:
-        for name in ("_prelude", "_all_reduce", "_exchange", "_headers_seen", "_finish"):
-            setattr(coord, name, comm.wrap(getattr(coord, name)))
+        for name in ("_prelude", "_all_reduce", "_all_reduce_plain", "_exchange", "_headers_seen", "_finish"):
+            if hasattr(coord, name):  # (_all_reduce_plain: since the header rides every Nth step only)
+                setattr(coord, name, comm.wrap(getattr(coord, name)))
     inst.uninstall()
     for name in ("_pre_step", "_post_step", "accumulating"):
         setattr(inst, name, optim.wrap(getattr(inst, name)))
@@ -251,14 +298,35 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
     inner = monitor.env
     inner.step = env_inner.wrap(inner.step)
     monitor.step = env_outer.wrap(monitor.step)
-    for _ in range(args.attribution_steps):
-        probed.step()
-    n = args.attribution_steps
+    # Per block of --steps steps: the probe's CPU time inside its hooks against the block's process CPU time — an
+    # instrumented lower bound of the overhead (it leaves out what the hooks cost outside their own Python: DDP calling
+    # a Python hook, the futures' machinery, the wrappers' dispatch) with a CI from the blocks.
+    timers = (comm, optim, env_outer)
+    hook_cpu, step_cpu = [], []
+    for _ in range(args.attribution_steps // args.steps):
+        before = sum(t.cpu_ns for t in timers) - env_inner.cpu_ns
+        c0 = time.process_time_ns()
+        _block(probed, args.steps)
+        step_cpu.append(time.process_time_ns() - c0)
+        hook_cpu.append(sum(t.cpu_ns for t in timers) - env_inner.cpu_ns - before)
+    n = len(step_cpu) * args.steps
+    bias_one, bias_nested = _calibrate()
+    # Per block: each counted call of comm/optim carries bias_one, each env step bias_nested (calls spread evenly).
+    bias_block = ((comm.calls + optim.calls) * bias_one + env_outer.calls * bias_nested) / len(step_cpu)
+    hook_cpu = [h - bias_block for h in hook_cpu]
+    ratios = [h / c for h, c in zip(hook_cpu, step_cpu, strict=True)]
+    instrumented = statistics.mean(ratios) + reporter_us * 1e3 * args.steps / statistics.mean(step_cpu)
+    inst_half = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
     components = {
+        "comm_hook": round((comm.cpu_ns - comm.calls * bias_one) / 1e3 / n, 2),
+        "optimizer_hook": round((optim.cpu_ns - optim.calls * bias_one) / 1e3 / n, 2),
+        "env_hook": round((env_outer.cpu_ns - env_inner.cpu_ns - env_outer.calls * bias_nested) / 1e3 / n, 2),
+        "reporter_thread": round(reporter_us, 2),
+    }
+    components_wall = {
         "comm_hook": round(comm.ns / 1e3 / n, 2),
         "optimizer_hook": round(optim.ns / 1e3 / n, 2),
         "env_hook": round((env_outer.ns - env_inner.ns) / 1e3 / n, 2),
-        "reporter_thread": round(reporter_us, 2),
     }
     registered = bool(rep is not None and rep.registered)
     probe.close()
@@ -267,15 +335,23 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
 
     result = {
         "overhead_ratio": round(overhead, 5),
-        "overhead_ci95": [round(overhead - half, 5), round(overhead + half, 5)],
-        "ci_width": round(2 * half, 5),
-        "paired_ratio": round(paired, 5),
+        "overhead_ci95": [round(overhead - cpu_half, 5), round(overhead + cpu_half, 5)],
+        "ci_width": round(2 * cpu_half, 5),
+        "paired_ratio": round(cpu_paired, 5),
         "reporter_share": round(reporter_share, 5),
+        "overhead_ratio_wall": round(overhead_wall, 5),
+        "overhead_ci95_wall": [round(overhead_wall - wall_half, 5), round(overhead_wall + wall_half, 5)],
+        "overhead_instrumented": round(instrumented, 5),
+        "overhead_instrumented_ci95": [round(instrumented - inst_half, 5), round(instrumented + inst_half, 5)],
         "components_us": components,
-        "components_sum_ratio": round(sum(components.values()) / step_us, 5),
+        "components_wall_us": components_wall,
+        "timer_bias_ns": [round(bias_one), round(bias_nested)],
+        "components_sum_ratio": round(sum(components.values()) / cpu_step_us, 5),
         "step_us": round(step_us, 1),
+        "step_cpu_us": round(cpu_step_us, 1),
         "pairs": args.pairs,
-        "pairs_dropped_as_outliers": len(d) - len(kept),
+        "pairs_dropped_as_outliers": cpu_dropped,
+        "pairs_dropped_as_outliers_wall": wall_dropped,
         "steps_per_block": args.steps,
         "env_steps_per_step": args.env_steps,
         "heartbeat_s": args.heartbeat,

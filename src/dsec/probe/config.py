@@ -59,6 +59,8 @@ class ProbeConfig:
     interrupt_info_keys: tuple[str, ...] = ("collision", "crash", "interrupted")
     stuck_episode_threshold: int = 3
     drift_check_steps: int = 100
+    # The DDP comm hook's sync header rides every Nth synchronized step in its all_reduce path (ddp.py).
+    header_every: int = 8
     # --role auto: the worker registers as ``other`` and the probe infers its role (dsec.probe.roles).
     infer_role: bool = False
     role_actor_env_steps: int = DEFAULT_ACTOR_ENV_STEPS
@@ -75,6 +77,8 @@ class ProbeConfig:
             raise ValueError(f"stuck_episode_threshold={self.stuck_episode_threshold} is invalid: expected >= 1")
         if self.drift_check_steps < 0:
             raise ValueError(f"drift_check_steps={self.drift_check_steps} is invalid: expected >= 0 (0: off)")
+        if self.header_every < 1:
+            raise ValueError(f"header_every={self.header_every} is invalid: expected >= 1")
         if self.role_actor_env_steps < 1:
             raise ValueError(f"role_actor_env_steps={self.role_actor_env_steps} is invalid: expected >= 1")
 
@@ -116,6 +120,7 @@ class ProbeConfig:
             else ("collision", "crash", "interrupted"),
             stuck_episode_threshold=int(env.get("DSEC_STUCK_EPISODES", "3")),
             drift_check_steps=int(overrides.pop("drift_check_steps", env.get("DSEC_DRIFT_CHECK_STEPS", "100"))),
+            header_every=int(overrides.pop("header_every", env.get("DSEC_HEADER_EVERY", "8"))),
             infer_role=role == AUTO,
             role_actor_env_steps=int(env.get("DSEC_ROLE_ACTOR_STEPS", str(DEFAULT_ACTOR_ENV_STEPS))),
             **overrides,

@@ -26,6 +26,16 @@ Agreement without extra collectives: the last bucket of every synchronized step 
 one-hot slots summed by the all_reduce, or a prefix of each rank's chunk. All ranks see the same headers, so at the
 next cycle start they switch together, and they agree on group snapshots and drift without another collective.
 
+The header is what costs in the all_reduce path (encoding, decoding, the guard's votes: ~100 µs of Python per
+step against a native all_reduce of a few hundred), so there it rides every ``header_every``-th synchronized step
+only (the probe's default 8, ``DSEC_HEADER_EVERY``); the steps between all_reduce the bucket's own buffer in place,
+the way DDP's default hook does. Whether a step carries the header depends only on the agreed state (the count of
+synchronized steps since the last header and the agreed levels), so every rank decides the same: a level change
+still takes effect on every rank at the same step, up to ``header_every`` steps later than with a header at every
+step. The byte paths (8/4 bits, mixed levels) carry it at every step: their 32 bytes cost little next to
+quantization. Arrival stamps (lag/cost) are therefore sampled at the header steps; bytes, latency and
+``sync_ops_total`` are recorded at every bucket.
+
 Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
 includes waiting for the slowest one and raw latency cannot name the straggler. The header therefore
 also carries each rank's *arrival stamp* (wall clock when it entered the last bucket's collective).
@@ -84,8 +94,12 @@ class SyncCoordinator:
         error_feedback: bool = True,
         chaos: Chaos | None = None,
         guard: ReplicaGuard | None = None,
+        header_every: int = 1,
     ) -> None:
         import torch.distributed as dist
+
+        if header_every < 1:
+            raise ValueError(f"header_every={header_every} is invalid: expected >= 1")
 
         self._dist = dist
         # Unpatched collectives: the hook's own traffic is gradient sync, not user collectives.
@@ -112,6 +126,9 @@ class SyncCoordinator:
         self.steps = 0  # backward passes seen
         self.syncs = 0  # synchronized steps completed (identical on every rank)
         self._my_extras = (0, 0, 0)
+        self.header_every = header_every
+        self._header_due = True  # this cycle's last bucket carries the header (agreed: identical on every rank)
+        self._since_header = header_every  # synced steps since the last header (the first step carries one)
         actuators.collective_users += 1
 
     # -- cycle bookkeeping ----------------------------------------------------------------------------
@@ -123,9 +140,17 @@ class SyncCoordinator:
             self.accum = max(a for _, a in self._seen)
             self._seen = None
         self.actuators.confirm(self.peer_bits[self.rank], self.accum)
-        self._my_desired = self.actuators.declare()
-        if self.guard is not None:
-            self._my_extras = self.guard.extras()
+        self._header_due = not self._reduce_path() or self._since_header >= self.header_every - 1
+        if self._header_due:
+            # Read only when a header will carry them: extras() hands over a pending fingerprint once.
+            self._my_desired = self.actuators.declare()
+            if self.guard is not None:
+                self._my_extras = self.guard.extras()
+
+    def _reduce_path(self) -> bool:
+        """Whether this cycle's buckets go through one all_reduce (every rank at 32 bits, or every rank at 16)."""
+        bits = self.peer_bits
+        return all(b == 32 for b in bits) or all(b == 16 for b in bits)
 
     def _my_header(self, stamp: float, contributes: bool = True, admit: int = 0) -> sh.Header:
         bits, accum = self._my_desired
@@ -142,12 +167,16 @@ class SyncCoordinator:
         self._record_arrivals([h.stamp for h in headers], period_ms, latency_s)
         self._synced(headers)
 
-    def _synced(self, headers: list[sh.Header]) -> None:
-        """One more synchronized step; the replica guard reads its headers."""
+    def _synced(self, headers: list[sh.Header] | None) -> None:
+        """One more synchronized step; the replica guard reads its headers (None: a step without a header)."""
         self.syncs += 1
+        if headers is None:
+            self._since_header += 1
+            return
+        since, self._since_header = self._since_header + 1, 0
         if self.guard is not None:
             try:
-                self.guard.on_headers(headers, self.rank, self.syncs)
+                self.guard.on_headers(headers, self.rank, self.syncs, since=min(since, self.syncs))
             except Exception:
                 log.exception("dsec: replica guard failed on a sync header")
 
@@ -186,14 +215,14 @@ class SyncCoordinator:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buf)
             return fut
-        params = tuple(id(p) for p in bucket.parameters())
         if last:
             self._late()
         start = time.perf_counter()
-        bits = self.peer_bits
-        if all(b == 32 for b in bits) or all(b == 16 for b in bits):
-            return self._all_reduce(buf, bits[0], last, start)
-        return self._exchange(buf, params, last, start)
+        if self._reduce_path():
+            if last and self._header_due:
+                return self._all_reduce(buf, self.peer_bits[0], last, start)
+            return self._all_reduce_plain(buf, self.peer_bits[0], last, start)
+        return self._exchange(buf, tuple(id(p) for p in bucket.parameters()), last, start)
 
     # -- paths ----------------------------------------------------------------------------------------
     def _record_arrivals(self, stamps: list[float], period_ms: float | None, latency_s: float) -> None:
@@ -202,6 +231,36 @@ class SyncCoordinator:
         lag = -min(deltas)  # how long after the earliest peer this rank arrived
         wait = max(deltas)  # how long it then waited for the latest one
         self.telemetry.record_arrival(lag, max(0.0, latency_s - wait) + lag)
+
+    def _all_reduce_plain(
+        self, buf: torch.Tensor, bits: int, last: bool, start: float
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A bucket without the header: at 32 bits the bucket's own buffer, scaled in place, is all-reduced (as DDP's
+        default hook does: no copy in, none out)."""
+        import torch
+
+        scale = 1.0 / (self.world * self.accum)
+        if bits == 32:
+            send = buf if scale == 1.0 else buf.mul_(scale)  # one rank, no accumulation: nothing to scale
+        else:
+            send = buf.mul(scale).clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
+        nbytes = send.numel() * send.element_size()
+        work = self._c.all_reduce(send, group=self.pg, async_op=True)
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                fut.value()
+            except Exception:
+                self.telemetry.record_sync(nbytes, time.perf_counter() - start, False)
+                raise
+            if send is not buf:
+                buf.copy_(send)
+            if last:
+                self._synced(None)
+            self._finish(buf, last, nbytes, start)
+            return buf
+
+        return cast("torch.futures.Future[torch.Tensor]", work.get_future().then(done))
 
     def _all_reduce(self, buf: torch.Tensor, bits: int, last: bool, start: float) -> torch.futures.Future[torch.Tensor]:
         import torch

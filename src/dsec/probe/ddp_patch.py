@@ -69,8 +69,11 @@ def install_coordinator(inst: TorchInstrumentation, ddp: Any, register: Callable
     ddp._dsec_hooked = True
     healing = inst.probe.healing
     try:
+        # Under healing the header rides every step (admission and the contributor count depend on it).
         make: Callable[..., SyncCoordinator] = (
-            functools.partial(healing.coordinator, ddp) if healing is not None else SyncCoordinator
+            functools.partial(healing.coordinator, ddp)
+            if healing is not None
+            else functools.partial(SyncCoordinator, header_every=inst.probe.config.header_every)
         )
         coord = make(
             actuators=inst.probe.actuators,

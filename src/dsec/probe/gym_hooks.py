@@ -25,8 +25,11 @@ _inside_make_vec = threading.local()
 
 
 def _as_list(values: Any) -> list[Any]:
+    if type(values) is list:
+        return values
     tolist = getattr(values, "tolist", None)
-    return list(tolist()) if tolist is not None else list(values)
+    out = tolist() if tolist is not None else values
+    return out if type(out) is list else list(out)
 
 
 def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> str | None:
@@ -157,6 +160,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
             self._ret = [0.0] * n
             self._len = [0] * n
             self._resetting = [False] * n
+            self._any_resetting = False  # any(self._resetting), kept so the common step does not compute it
             mode = getattr(env, "metadata", {}).get("autoreset_mode")
             # NEXT_STEP (gymnasium's default): the step after an episode ends only resets that
             # sub-environment (reward 0, action ignored): it is not a step of the next episode.
@@ -166,6 +170,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
         def reset(self, **kwargs: Any) -> Any:
             n = self.env.num_envs
             self._ret, self._len, self._resetting = [0.0] * n, [0] * n, [False] * n
+            self._any_resetting = False
             return self.env.reset(**kwargs)
 
         def step(self, actions: Any) -> Any:
@@ -173,7 +178,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
             obs, rewards, terminated, truncated, info = self.env.step(actions)
             # Plain lists once per step: indexing numpy scalars per sub-environment cost microseconds each.
             rew, term, trunc = _as_list(rewards), _as_list(terminated), _as_list(truncated)
-            if not (any(term) or any(trunc) or any(self._resetting)):
+            if not (self._any_resetting or any(term) or any(trunc)):
                 ret, length = self._ret, self._len
                 for i, r in enumerate(rew):
                     ret[i] += r
@@ -200,6 +205,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
                     self._ret[i], self._len[i] = 0.0, 0
                     self._resetting[i] = self._next_step
                     probe.after_episode(reason)
+            self._any_resetting = any(self._resetting)
             probe.telemetry.record_env_steps(stepped)
             return obs, rewards, terminated, truncated, info
 

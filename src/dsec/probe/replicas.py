@@ -203,13 +203,15 @@ class ReplicaGuard:
         return int(flags), fp or 0, hyper
 
     # -- after every synchronized step (any thread) -----------------------------------------------------------
-    def on_headers(self, headers: list[Header], rank: int, syncs: int) -> None:
-        """``headers`` by rank; a rank without ``Flag.PRESENT`` (dead, under healing) is left out of every vote."""
+    def on_headers(self, headers: list[Header], rank: int, syncs: int, since: int = 1) -> None:
+        """``headers`` by rank; a rank without ``Flag.PRESENT`` (dead, under healing) is left out of every vote.
+        ``since``: synchronized steps since the previous header (the comm hook may carry one every few steps only):
+        a fingerprint is due when a multiple of ``check_every`` was passed in between."""
         present = {r: h for r, h in enumerate(headers) if h.has(Flag.PRESENT)}
         wanted = any(h.has(Flag.SNAPSHOT_WANTED) for h in present.values())
         busy = any(h.has(Flag.SNAPSHOT_BUSY) for h in present.values())
         self.snapshot_agreed = wanted and not busy
-        if self.check_every > 0 and syncs % self.check_every == 0:
+        if self.check_every > 0 and syncs // self.check_every != (syncs - since) // self.check_every:
             self._fp_due = True
         checked = {r: h.fingerprint for r, h in present.items() if h.has(Flag.FINGERPRINT)}
         if checked:

@@ -228,7 +228,8 @@ class Probe:
 
     # -- actuator helpers for user code -------------------------------------------------------------------
     def wait_for_sampling(self) -> None:
-        if self.role == "actor" and not self.actuators.sampling_allowed():
+        # The flag first: it is one attribute read on every environment step, the role a property chain.
+        if not self.actuators.sampling_allowed() and self.role == "actor":
             while not self.actuators.wait_for_sampling(timeout=1.0):
                 pass
 

@@ -21,6 +21,7 @@ of each rank's chunk.
 
 from __future__ import annotations
 
+import array
 import enum
 import math
 import struct
@@ -73,6 +74,14 @@ def slots_per_rank(bits: int) -> int:
     return 1 + sum(_pieces(w, cap) for _, w in _WIDTHS)
 
 
+# Per slot dtype: (field width, the shifts of its pieces), in slot order after the stamp. Computed once: the header
+# is encoded and decoded on the training path (ddp.py), where a Python loop re-deriving this cost tens of µs.
+_LAYOUT = {
+    bits: tuple((width, tuple(cap * i for i in range(_pieces(width, cap)))) for _, width in _WIDTHS)
+    for bits, cap in SLOT_BITS.items()
+}
+
+
 def encode_slots(
     h: Header, rank: int, world: int, bits: int, dtype: torch.dtype, stamp_ms: float, device: Any = None
 ) -> torch.Tensor:
@@ -80,38 +89,42 @@ def encode_slots(
     fields in its slots, zeros elsewhere (summed over ranks by the all_reduce)."""
     import torch
 
-    cap = SLOT_BITS[bits]
+    mask = (1 << SLOT_BITS[bits]) - 1
     n = slots_per_rank(bits)
-    values = [stamp_ms % STAMP_PERIOD_MS[bits]]
-    for name, width in _WIDTHS:
-        v = int(getattr(h, name))
-        if v < 0 or v >= 2**width:
+    values = [0.0] * (n * world)
+    pos = n * rank
+    values[pos] = stamp_ms % STAMP_PERIOD_MS[bits]
+    fields = (h.bits, h.accum, h.flags, h.fingerprint, h.hyper, h.admit)  # the order of _WIDTHS
+    for (name, _), v, (width, shifts) in zip(_WIDTHS, fields, _LAYOUT[bits], strict=True):
+        v = int(v)
+        if v < 0 or v >= 1 << width:
             raise ValueError(f"header field {name}={v} does not fit in {width} bits")
-        for i in range(_pieces(width, cap)):
-            values.append(float((v >> (cap * i)) & ((1 << cap) - 1)))
-    out = torch.zeros(n * world, dtype=dtype, device=device)
-    out[n * rank : n * (rank + 1)] = torch.tensor(values, dtype=dtype, device=device)
-    return out
+        for shift in shifts:
+            pos += 1
+            values[pos] = float((v >> shift) & mask)
+    # One tensor from a typed buffer (torch.zeros + torch.tensor + a slice assignment cost several times more).
+    # (frombuffer keeps the array alive as long as the tensor; float32 holds every slot value exactly, and so does
+    # float16 those of the 16-bit layout.)
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32).to(dtype=dtype, device=device)
 
 
 def decode_slots(slots: torch.Tensor, world: int, bits: int) -> list[Header]:
     """Every rank's header from the summed slots (stamps in ms, on the circle of ``STAMP_PERIOD_MS[bits]``)."""
-    import torch
-
-    cap = SLOT_BITS[bits]
     n = slots_per_rank(bits)
-    rows = slots.to(torch.float64).view(world, n).tolist()
+    flat = slots.tolist()  # float32 / float16 values are exact integers here (they hold no more bits)
+    layout = _LAYOUT[bits]
     out = []
-    for row in rows:
-        fields: dict[str, int] = {}
-        pos = 1
-        for name, width in _WIDTHS:
+    for r in range(world):
+        pos = r * n
+        stamp = flat[pos]
+        fields = []
+        for _, shifts in layout:
             v = 0
-            for i in range(_pieces(width, cap)):
-                v |= round(row[pos]) << (cap * i)
+            for shift in shifts:
                 pos += 1
-            fields[name] = v
-        out.append(Header(stamp=row[0], **fields))
+                v |= round(flat[pos]) << shift
+            fields.append(v)
+        out.append(Header(fields[0], fields[1], stamp, fields[2], fields[3], fields[4], fields[5]))
     return out
 
 

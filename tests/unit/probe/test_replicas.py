@@ -180,6 +180,26 @@ def test_fingerprint_is_due_at_the_first_step_then_every_check_every_syncs() -> 
     assert g.extras()[0] & sh.Flag.FINGERPRINT
 
 
+def test_with_a_header_every_few_steps_a_fingerprint_is_due_when_a_multiple_was_passed_in_between() -> None:
+    # The comm hook carries the header every 8th sync: headers at syncs 1, 9, 17, ... (since = 8 each time).
+    g = ReplicaGuard(_Probe(), check_every=5)  # type: ignore[arg-type]
+    g.add_module(torch.nn.Linear(2, 2))
+    g.after_step()
+    g.extras()  # the start-up check, handed over
+    g.on_headers([_h()], 0, syncs=1, since=1)
+    g.after_step()
+    assert not g.extras()[0] & sh.Flag.FINGERPRINT
+    g.on_headers([_h()], 0, syncs=9, since=8)  # sync 5 lay in between: due (the old `syncs % 5` never saw it)
+    g.after_step()
+    assert g.extras()[0] & sh.Flag.FINGERPRINT
+    g.on_headers([_h()], 0, syncs=17, since=8)  # 10 and 15 in between: due once
+    g.after_step()
+    assert g.extras()[0] & sh.Flag.FINGERPRINT
+    g.on_headers([_h()], 0, syncs=19, since=2)  # no multiple of 5 in 18..19
+    g.after_step()
+    assert not g.extras()[0] & sh.Flag.FINGERPRINT
+
+
 def test_group_snapshot_only_when_someone_wants_it_and_nobody_is_busy() -> None:
     g = ReplicaGuard(_Probe(snapshots=_Snaps(wanted=True)), check_every=0)  # type: ignore[arg-type]
     assert g.extras()[0] & sh.Flag.SNAPSHOT_WANTED
