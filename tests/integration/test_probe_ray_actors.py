@@ -65,6 +65,7 @@ def test_ray_kill_shutdown_and_sigterm_deregister_the_actors_with_their_reason_n
     finally:
         stop.touch()
         stop_process_group(proc)
+    print(log.read_text().strip().splitlines()[-1])  # how long ray.kill and ray.shutdown took
     time.sleep(4 * BEAT_S)  # past the detection time: a worker that ended without deregistering is lost by now
     ended = {
         steps: (
