@@ -18,8 +18,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
     "${PIP[@]}" install "torch==2.13.0"
 fi
-"${PIP[@]}" install -e ".[torch,gym,postgres,ray,sim,dev]" 2>&1 | grep -v "^WARNING: Location" || true
-"$VENV/bin/python" -c 'import dsec, torch, fastapi, gymnasium, matplotlib'
+"${PIP[@]}" install -e ".[torch,gym,postgres,ray,rllib,sim,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -c 'import dsec, torch, fastapi, gymnasium, matplotlib, ray.rllib'
 bash scripts/fetch-promtool.sh
 bash scripts/fetch-chromium.sh
 echo "$want" > "$STAMP"

@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from dsec.probe import lifecycle
+from dsec.probe import importhook, lifecycle, lifecycle_ray
 from dsec.probe.config import ProbeConfig
 from dsec.probe.runtime import Probe
 
@@ -44,6 +44,8 @@ def bootstrap(**overrides: Any) -> Probe | None:
             log.warning("dsec: instrumentation failed; reporting only", exc_info=True)
         atexit.register(_at_exit)
         _install_sigterm()
+        # Ray ends its actors its own way (ray.kill, its own SIGTERM handler): see lifecycle_ray.
+        importhook.when_imported("ray", lambda ray: lifecycle_ray.install(ray, end_now))
         _probe = probe
         return probe
 
@@ -74,6 +76,12 @@ def _deregister_now(reason: str) -> None:
     rep = probe.reporter if probe is not None else None
     if rep is not None:
         rep.deregister_now(reason)
+
+
+def end_now(reason: str) -> None:
+    """The process is about to be killed (``reason``: sigterm, ray_kill): final beat and deregistration, bounded in
+    time, without restoring patched functions (other threads may be inside them)."""
+    lifecycle.end_within(lambda r: shutdown(r, dying=True), _deregister_now, reason)
 
 
 def current() -> Probe | None:

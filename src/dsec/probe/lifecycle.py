@@ -106,19 +106,28 @@ class SigtermChain:
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _deregister(self) -> None:
-        done = threading.Event()
+        end_within(self._shutdown, self._fallback, SIGTERM, self.wait_s)
 
-        def close() -> None:
-            try:
-                self._shutdown(SIGTERM)
-            except Exception:
-                log.debug("dsec: closing on SIGTERM failed", exc_info=True)
-            finally:
-                done.set()
 
-        threading.Thread(target=close, name="dsec-sigterm", daemon=True).start()
-        if not done.wait(self.wait_s):
-            try:
-                self._fallback(SIGTERM)
-            except Exception:
-                log.debug("dsec: deregistering on SIGTERM failed", exc_info=True)
+def end_within(
+    shutdown: Callable[[str], None], fallback: Callable[[str], None], reason: str, wait_s: float = 6.0
+) -> None:
+    """Close the probe with ``reason`` on a helper thread, waiting at most ``wait_s``; if it is not done by then (the
+    caller interrupted a thread holding one of the probe's locks), send the bare deregistration ``fallback`` instead.
+    For a process about to die: never raises."""
+    done = threading.Event()
+
+    def close() -> None:
+        try:
+            shutdown(reason)
+        except Exception:
+            log.debug("dsec: closing (%s) failed", reason, exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=close, name=f"dsec-{reason}", daemon=True).start()
+    if not done.wait(wait_s):
+        try:
+            fallback(reason)
+        except Exception:
+            log.debug("dsec: deregistering (%s) failed", reason, exc_info=True)
