@@ -30,7 +30,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-slow: setup  # exit 5 = no test is marked slow yet
+# The slow tests also cover RLlib: its extra is installed here only (scripts/setup.sh, DSEC_SETUP_EXTRAS).
+test-slow:
+	@DSEC_SETUP_EXTRAS=rllib bash scripts/setup.sh
+	@$(MAKE) --no-print-directory native
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 check: setup
