@@ -31,6 +31,9 @@ def connect(address: str | None, namespace: str, local_cpus: int) -> bool:
 
     if address is None and not os.environ.get("RAY_ADDRESS"):
         ray.init(
+            # "local": always a new instance; without it ray.init joins a cluster `ray start` runs on this machine
+            # (found through /tmp/ray), which was not asked for and refuses num_cpus
+            address="local",
             namespace=namespace,
             num_cpus=local_cpus,
             include_dashboard=False,
