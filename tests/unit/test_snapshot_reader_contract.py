@@ -102,7 +102,16 @@ def test_a_zero_size_is_a_size(tmp_path: Path) -> None:
 def test_a_parent_link_that_does_not_lead_back_is_refused(tmp_path: Path, parent: object, shown: str) -> None:
     store = _store(tmp_path)
     _write(store, 3, {**_manifest(store, 3), "parent": parent})
+    reads: list[int] = []
+    get_manifest = store.get_manifest
+
+    def counted(worker: str, seq: int) -> bytes:
+        reads.append(seq)
+        return get_manifest(worker, seq)
+
+    store.get_manifest = counted  # type: ignore[method-assign]
     _corrupt(store, 3, rf"^snapshot w/3: broken parent link {shown}$")
+    assert reads == [3]  # refused at the first link, not after MAX_CHAIN reads of a loop
 
 
 def test_a_damaged_link_in_the_chain_is_named(tmp_path: Path) -> None:
