@@ -21,7 +21,7 @@ from dsec.control.service import ControlPlane
 from dsec.control.state import LiveWorker
 from dsec.control.store import EventQuery, open_store
 from dsec.decide import Verdict
-from dsec.model import Device, EventType, Pool, Role, WorkerState
+from dsec.model import Device, Event, EventType, Pool, Role, WorkerState
 
 T0 = 1_700_000_000.0
 
@@ -283,3 +283,79 @@ async def test_directive_from_a_verdict(cp: ControlPlane) -> None:
     assert d is not None and (d.version, d.fields, d.updated_at, d.worker_id) == (2, w.directive.fields, 5.0, w.id)
     d = directive_from(w, Verdict(patch={"compression_bits": 8}), 6.0)
     assert d is not None and d.version == 2 and d.fields.compression_bits == 8
+
+
+# -- what a restart of the control plane finds, budgets per worker, leaving ---------------------------------
+async def _reopened(cp: ControlPlane) -> tuple[ControlPlane, Any]:
+    store = open_store(cp.settings.database_url)
+    return ControlPlane(cp.settings, store, cp.clock), store
+
+
+async def test_a_restart_finds_the_directive_and_the_departure(cp: ControlPlane) -> None:
+    w = await _worker(cp)
+    other = await _worker(cp)
+    await cp.set_directive(w, {"compression_bits": 8}, actor="ops")
+    await cp.deregister(other, "done")
+    again, store = await _reopened(cp)
+    try:
+        assert again.state.workers[w.id].directive.version == 2
+        assert again.state.workers[w.id].directive.fields.compression_bits == 8
+        assert again.state.workers[other.id].state is WorkerState.DEREGISTERED
+    finally:
+        again.close()
+        store.close()
+
+
+async def test_leaving_records_the_run_on_a_known_device_and_forgets_the_judgment(cp: ControlPlane) -> None:
+    await cp.put_device(Device("gpu-free", "n1"))
+    w = await _worker(cp, device="gpu-free")
+    for seq in (1, 2):
+        await _beat(cp, w, seq, metrics={"sync_latency_ms_p50": 10.0})
+    assert w.id in cp.judge.breakers
+    await cp.deregister(w, "done")
+    assert w.id not in cp.judge.breakers
+    (dereg,) = _events(cp, w, EventType.DEREGISTERED)
+    assert dereg.pool == "pool-a"
+    runs = [e for e in _events(cp, w, EventType.DEVICE) if e.data.get("kind") == "run"]
+    assert len(runs) == 1 and runs[0].data["device"] == "gpu-free" and runs[0].data["record"]["failed"] is False
+
+
+async def test_a_token_count_goes_back_to_zero(cp: ControlPlane) -> None:
+    token = await cp.create_token("pool", "pool-a", "t")
+    first = await cp.register(RegisterRequest(pool="pool-a"), token)
+    second = await cp.register(RegisterRequest(pool="pool-a"), token)
+    for answer in (first, second):
+        await cp.deregister(cp.state.workers[answer["worker_id"]], "done")
+    for _ in range(2):  # max_workers_per_token = 2 places, both free again
+        await cp.register(RegisterRequest(pool="pool-a"), token)
+
+
+async def test_retries_are_counted_and_budgets_are_per_worker(cp: ControlPlane) -> None:
+    a, b = await _worker(cp), await _worker(cp)
+    await _beat(cp, a, 1)
+    await _beat(cp, a, 1)
+    await _beat(cp, a, 1)
+    assert (cp.heartbeats, cp.duplicates) == (1, 2)
+    log = [{"type": "log", "data": {"i": i}} for i in range(3)]
+    await _beat(cp, a, 2, events=log)  # burst 4 each: three from a leave b its own four
+    await _beat(cp, b, 1, events=log)
+
+
+async def test_a_short_wait_for_event_budget_is_still_a_refusal(tmp_path: Path, clock: Clock) -> None:
+    async for cp in _plane(tmp_path, clock, worker_events_per_s=10.0, worker_events_burst=2):
+        w = await _worker(cp)
+        log = [{"type": "log", "data": {"i": i}} for i in range(3)]  # one over the burst: 0.1 s to wait
+        await _raises(_beat(cp, w, 1, events=log), 429, "events")
+
+
+async def test_set_directive_carries_extra_events_and_names_the_field(cp: ControlPlane) -> None:
+    w = await _worker(cp)
+    extra = Event(ts=T0, type=EventType.LOG, worker_id=w.id, pool="pool-a", data={"why": "policy"})
+    await cp.set_directive(w, {"compression_bits": 8}, actor="policy", extra_events=[extra])
+    assert [e.data for e in _events(cp, w, EventType.LOG)] == [{"why": "policy"}]
+    err = await _raises(cp.set_directive(w, {"nonsense": 1}, actor="ops"), 422, "unknown")
+    assert err.message.startswith("unknown directive field(s) ['nonsense']")
+    await _raises(cp.set_directive(w, {"precision": "a=b"}, actor="ops"), 422, "precision")
+    await cp.deregister(w, "bye")
+    err = await _raises(cp.set_directive(w, {"compression_bits": 4}, actor="ops"), 409, "worker_id")
+    assert err.message == f"worker_id {w.id!r} has deregistered; directives no longer apply"
