@@ -342,10 +342,13 @@ async def test_retries_are_counted_and_budgets_are_per_worker(cp: ControlPlane) 
 
 
 async def test_a_short_wait_for_event_budget_is_still_a_refusal(tmp_path: Path, clock: Clock) -> None:
-    async for cp in _plane(tmp_path, clock, worker_events_per_s=10.0, worker_events_burst=2):
+    async for cp in _plane(tmp_path, clock, worker_events_per_s=10.0, worker_events_burst=4):
         w = await _worker(cp)
-        log = [{"type": "log", "data": {"i": i}} for i in range(3)]  # one over the burst: 0.1 s to wait
-        await _raises(_beat(cp, w, 1, events=log), 429, "events")
+        log = [{"type": "log", "data": {"i": i}} for i in range(3)]
+        await _beat(cp, w, 1, events=log)  # one of the burst left
+        await _raises(_beat(cp, w, 2, events=log[:2]), 429, "events")  # 0.1 s short of the second
+        clock.now += 0.2  # (0.1 s would be 1.99999... tokens in floats)
+        await _beat(cp, w, 2, events=log[:2])
 
 
 async def test_set_directive_carries_extra_events_and_names_the_field(cp: ControlPlane) -> None:
