@@ -362,3 +362,33 @@ async def test_set_directive_carries_extra_events_and_names_the_field(cp: Contro
     await cp.deregister(w, "bye")
     err = await _raises(cp.set_directive(w, {"compression_bits": 4}, actor="ops"), 409, "worker_id")
     assert err.message == f"worker_id {w.id!r} has deregistered; directives no longer apply"
+
+
+async def test_a_beat_with_events_is_written_whole(cp: ControlPlane, clock: Clock) -> None:
+    # The only beat, and it carries an event: its row reaches the store through the beat's own commit (a beat
+    # without events is written later by the writer thread), state active again although the worker was lost.
+    w = await _worker(cp)
+    w.state = WorkerState.LOST
+    clock.now += 7
+    await _beat(cp, w, 5, acked_directive_version=1, metrics={"a": 1.5}, events=[{"type": "log", "data": {}}])
+    again, store = await _reopened(cp)
+    try:
+        row = again.state.workers[w.id]
+        assert (row.state, row.last_seq, row.last_beat_at, row.beats, row.acked_version) == (
+            WorkerState.ACTIVE, 5, T0 + 7, 1, 1)  # fmt: skip
+        assert dict(row.metrics) == {"a": 1.5}
+    finally:
+        again.close()
+        store.close()
+
+
+async def test_a_failed_judgment_leaves_the_role_as_it_was(cp: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = await _worker(cp)
+
+    def failing(*args: Any) -> Any:
+        raise RuntimeError("judge failed (injected)")
+
+    monkeypatch.setattr(cp.judge, "on_beat", failing)
+    with pytest.raises(RuntimeError):
+        await _beat(cp, w, 1, inferred_role={"role": "learner", "evidence": {}})
+    assert w.info.role is Role.OTHER and w.last_seq == 0
