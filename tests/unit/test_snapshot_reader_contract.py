@@ -352,3 +352,27 @@ def test_host_copy_and_digest() -> None:
     data = b"abc"
     assert codec.digest(data) == codec.digest(np.frombuffer(data, dtype=np.uint8))
     assert codec.digest(data) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_restore_threads_follow_the_cpus_from_one_to_four(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cpus, workers in ((None, 1), (1, 1), (3, 3), (4, 4), (64, 4)):
+        monkeypatch.setattr(os, "cpu_count", lambda cpus=cpus: cpus)
+        assert reader._workers() == workers, cpus
+
+
+def test_a_chunk_written_without_its_content_size_still_reads(tmp_path: Path) -> None:
+    # A streaming compressor does not record the size in the frame: the manifest's nbytes bounds the output.
+    store = _store(tmp_path, snapshots=1)
+    loaded = load(store, W, 1)
+    raw = loaded.encoded["m/weight"].tobytes()
+    data = zstandard.ZstdCompressor(write_content_size=False).compress(raw)
+    _edit_entry(store, 1, "m/weight", chunk=_put_chunk(store, data))
+    assert torch.equal(load(store, W, 1).tensor("m/weight"), loaded.tensor("m/weight"))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_a_sqrt_tensor_comes_back_in_its_dtype(dtype: str) -> None:
+    t = torch.rand(codec.QUANTIZE_MIN, generator=torch.Generator().manual_seed(4)).to(getattr(torch, dtype))
+    staged = codec.stage(t, 8, nonneg_sqrt=True)
+    spec = {"dtype": dtype, "shape": [codec.QUANTIZE_MIN], "enc": "q8", "sqrt": True}
+    assert staged.sqrt and codec.decode(staged.encoded(), spec).dtype == t.dtype
