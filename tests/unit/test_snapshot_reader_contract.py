@@ -381,3 +381,15 @@ def test_a_sqrt_tensor_comes_back_in_its_dtype(dtype: str) -> None:
 def test_the_bytes_of_a_strided_tensor_are_its_elements_in_order() -> None:
     every_other = torch.arange(10, dtype=torch.float32)[::2]  # a 1-D view that reshape(-1) leaves strided
     assert codec._tensor_bytes(every_other).view(np.float32).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+
+def test_a_manifest_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    store = _store(tmp_path, snapshots=1)
+    _corrupt(store, 9, r"^snapshot w/9 does not exist$")
+    path = store.root / "manifests" / W / f"{1:08d}.json"
+    path.write_bytes(path.read_bytes()[:10])
+    _corrupt(store, 1, r"^snapshot w/1: not valid JSON")
+
+
+def test_stage_says_sqrt_false_for_a_tensor_stored_as_it_is() -> None:
+    assert codec.stage(torch.randn(codec.QUANTIZE_MIN), 8, nonneg_sqrt=True).sqrt is False
