@@ -94,3 +94,28 @@ def test_reasons_are_joined_by_a_semicolon() -> None:
     first, second = result.reasons["a"].split("; ")
     assert first == "raised 2 -> 4 GB: below the pool's base"
     assert second.startswith("grown 4 -> 5 GB: uses 3.9 GB")
+
+
+def test_a_worker_that_uses_nothing_is_not_grown_even_from_a_zero_grant() -> None:
+    assert plan(10.0, 0.0, 12.0, [WorkerMemory("a", 0.0, 0.0)]).changes == {}
+
+
+@pytest.mark.parametrize("used", [19.9, 20.0])
+def test_a_worker_not_ahead_of_its_grant_grows_by_one_step(used: float) -> None:
+    # Slack is added only to usage that is ahead of the grant; up to the grant, one step is the growth.
+    assert plan(100.0, 4.0, 30.0, [WorkerMemory("a", used, 20.0)]).changes == {"a": 21.0}
+
+
+def test_idle_reclaim_passes_over_workers_without_a_peak_or_a_report() -> None:
+    workers = [
+        WorkerMemory("no-peak", 2.0, 8.0),
+        WorkerMemory("silent", None, 8.0, recent_peak_gb=2.0),
+        WorkerMemory("idle", 2.0, 8.0, recent_peak_gb=2.0),
+    ]
+    assert plan(100.0, 4.0, 12.0, workers).changes == {"idle": 4.0}
+
+
+def test_a_worker_reclaimed_as_idle_is_not_grown_in_the_same_plan() -> None:
+    # Its ramp would grow it (2 + 1 GB/s * 4 s >= 85 % of 4), but a plan does not take back and grant at once.
+    worker = WorkerMemory("a", 2.0, 12.0, ramp_gb_per_s=1.0, recent_peak_gb=2.0)
+    assert plan(100.0, 4.0, 12.0, [worker]).changes == {"a": 4.0}
