@@ -44,10 +44,12 @@ check: setup
 # Mutation testing (docs/testing.md), not part of `make test` or CI's default run: mutants of the modules that
 # [tool.mutmut] in pyproject.toml names, each against the unit tests that execute it. MUTATION_SCOPE narrows the run
 # to mutant names, e.g. MUTATION_SCOPE='dsec.breaker*'. Survivors: $(BIN)/mutmut show <name>.
+# OMP_NUM_THREADS=1: mutmut forks each test run from a process where torch already ran, and a forked child spins
+# forever on the parent's OpenMP thread pool (every snapshot mutant ran into its CPU limit without it).
 MUTATION_SCOPE ?=
 mutation: setup
 	rm -rf mutants
-	$(BIN)/mutmut run --max-children 2 $(MUTATION_SCOPE)
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2 $(MUTATION_SCOPE)
 	$(BIN)/mutmut results
 
 bench: setup

@@ -158,6 +158,8 @@ async def test_a_store_failure_on_the_escalating_beat_restores_the_breaker(
         assert (w.breaker()["phase"], w.breaker()["level"], w.breaker()["meltdowns"]) == ("escalating", 1, 1)
         meltdowns = store.query_events(EventQuery(worker_id=w.id, types=(EventType.MELTDOWN,)))
         assert len(meltdowns) == 1, "the retried beat must escalate exactly once"
+        (issued,) = store.query_events(EventQuery(worker_id=w.id, types=(EventType.DIRECTIVE_SET,)))
+        assert issued.data["by"] == "breaker" and issued.data["version"] == 2  # who made the directive
     finally:
         cp.close()
 
