@@ -45,14 +45,10 @@ def _command_class() -> Any:
         ) -> None:
             import threading
 
-            self.worker = worker
-            self.command = command
-            self.env = env
-            self.cpus = cpus
+            self.worker, self.command, self.env, self.cpus = worker, command, env, cpus
             self.cwd = cwd  # the driver's working directory: relative paths in the command mean the same there
             self.proc: Any = None
-            self.cuda = ""
-            self.error = ""
+            self.cuda = self.error = ""
             self.probe = ""  # "" when the command runs under the probe, else why not
             self.spawned = threading.Event()
 
@@ -84,6 +80,18 @@ def _command_class() -> Any:
                 proc.wait(5.0)
             code = proc.poll()
             return int(code) if code is not None else None
+
+        def _with_probe(self, settings: dict[str, str]) -> dict[str, str]:
+            """This node's environment, the worker's settings, and the probe as ``dsec run`` injects it (if DSec is
+            installed on this node: else the command runs without it, and ``info`` says why)."""
+            import os
+
+            try:
+                from dsec.probe.launch import probe_env
+            except ImportError as e:
+                self.probe = f"dsec is not importable on this node ({e}): the command runs without the probe"
+                return {**os.environ, **settings}
+            return probe_env(os.environ, settings)
 
     return Command
 
@@ -142,18 +150,6 @@ def runner_class() -> Any:
                 "error": self.error,
                 "probe": self.probe,
             }
-
-        def _with_probe(self, settings: dict[str, str]) -> dict[str, str]:
-            """The command's environment: this node's, the worker's settings, and the probe injected as ``dsec run``
-            does when DSec is installed on this node (else the command runs without it, and ``info`` says why)."""
-            import os
-
-            try:
-                from dsec.probe.launch import probe_env
-            except ImportError as e:
-                self.probe = f"dsec is not importable on this node ({e}): the command runs without the probe"
-                return {**os.environ, **settings}
-            return probe_env(os.environ, settings)
 
     Runner.__name__ = Runner.__qualname__ = "DsecWorker"  # how Ray names it in errors and logs
     _RUNNER = ray.remote(Runner)
