@@ -27,14 +27,15 @@ one-hot slots summed by the all_reduce, or a prefix of each rank's chunk. All ra
 next cycle start they switch together, and they agree on group snapshots and drift without another collective.
 
 The header is what costs in the all_reduce path (encoding, decoding, the guard's votes: ~100 µs of Python per
-step against a native all_reduce of a few hundred), so there it rides every ``header_every``-th synchronized step
-only (the probe's default 8, ``DSEC_HEADER_EVERY``); the steps between all_reduce the bucket's own buffer in place,
-the way DDP's default hook does. Whether a step carries the header depends only on the agreed state (the count of
-synchronized steps since the last header and the agreed levels), so every rank decides the same: a level change
-still takes effect on every rank at the same step, up to ``header_every`` steps later than with a header at every
-step. The byte paths (8/4 bits, mixed levels) carry it at every step: their 32 bytes cost little next to
-quantization. Arrival stamps (lag/cost) are therefore sampled at the header steps; bytes, latency and
-``sync_ops_total`` are recorded at every bucket.
+step against a native all_reduce of a few hundred). ``DSEC_HEADER_EVERY=N`` (experimental; default 1: every step)
+lets it ride every Nth synchronized step only; the steps between all_reduce the bucket's own buffer in place, the
+way DDP's default hook does. Whether a step carries the header depends only on the agreed state (the count of
+synchronized steps since the last header and the agreed levels), so every rank decides the same. What N > 1 costs:
+level changes, group-snapshot agreement and the arrival stamps (lag/cost) happen only at header steps, so the
+breaker judges a straggler from fewer samples and later; with N = 8 the demo's breaker scene also blamed the healthy
+rank (its wait is attributed to it between headers) and its 4-bit scene saw a 4-bit directive acked while the rank's
+bytes per sync did not shrink (2026-12-02; not investigated) — hence not the default. The byte paths (8/4 bits,
+mixed levels) carry the header at every step.
 
 Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
 includes waiting for the slowest one and raw latency cannot name the straggler. The header therefore
