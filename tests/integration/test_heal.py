@@ -41,7 +41,9 @@ def job_file(tmp_path: Path, world: int = 3, extra: tuple[str, ...] = (), **rest
                     "world_size": world,
                     "memory_gb": 1,
                     "heal": True,
-                    "env": {"DSEC_HEARTBEAT_INTERVAL": "0.5", "OMP_NUM_THREADS": "1", "DSEC_HEAL_TIMEOUT_S": "20"},
+                    "env": {"DSEC_HEARTBEAT_INTERVAL": "0.5", "OMP_NUM_THREADS": "1", "DSEC_HEAL_TIMEOUT_S": "20",
+                            # one line per op, view and admission vote of each process, for heal_story
+                            "DSEC_HEAL_JOURNAL": str(tmp_path / "journal")},
                     "command": [
                         sys.executable, str(FIXTURE), "--stop-file", str(tmp_path / "stop"),
                         "--out", str(tmp_path / "out.json"), *extra,
@@ -80,16 +82,43 @@ def supervised(cp: Harness, tmp_path: Path) -> Iterator[Callable[..., tuple[Supe
         sup.stop()
 
 
-def supervise_until(sup: Supervisor, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+def supervise_until(
+    sup: Supervisor, cond: Callable[[], Any], timeout: float, what: str, why: Callable[[], str] | None = None
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}" + (f"\n{why()}" if why else ""))
         sup.step()
         time.sleep(0.02)
+
+
+def heal_story(admin: Any, tmp_path: Path) -> str:
+    """What a failed wait on healing shows: the group's heal events, each member's own heal log events, and the
+    last lines of each worker's log that are not step lines (an intermittent failure leaves nothing else)."""
+    lines = ["heal events:"]
+    for e in admin.all_events(types=["heal", "log"]):
+        d = e["data"]
+        if e["type"] == "heal" or d.get("kind") == "heal":
+            keep = ("what", "epoch", "rank", "members", "joiners", "dead", "reason", "completed", "why", "worker")
+            lines.append(
+                f"  {e['ts']:.3f} {e['type']} {e.get('worker_id') or ''} "
+                + json.dumps({k: d[k] for k in keep if k in d})[:300]
+            )
+    for log in sorted((tmp_path / "logs").glob("*.log")):
+        text = log.read_text(errors="replace").splitlines()
+        steps = [ln for ln in text if ln.startswith('{"rank"')]
+        other = [ln for ln in text if not ln.startswith('{"rank"')]
+        lines.append(f"{log.name}: {len(steps)} step lines, last {steps[-1] if steps else None}")
+        lines.extend(f"  {ln[:300]}" for ln in other[-15:])
+    for journal in sorted((tmp_path / "journal").glob("*.log")):
+        kept = [ln for ln in journal.read_text(errors="replace").splitlines() if " issue " not in ln]
+        lines.append(f"{journal.name}: {len(kept)} lines besides issues; the last:")
+        lines.extend(f"  {ln[:300]}" for ln in kept[-12:])
+    return "\n".join(lines)
 
 
 def step_lines(tmp_path: Path, worker: str) -> list[dict[str, Any]]:
@@ -119,7 +148,9 @@ def test_a_killed_rank_is_replaced_while_its_peers_keep_training(
     pids = launcher.pids("trainers")
     t_kill = time.time()
     os.kill(pids["trainers-1"], signal.SIGKILL)
-    (rec,) = supervise_until(sup, lambda: recoveries, 90, "the replacement's admission")
+    (rec,) = supervise_until(
+        sup, lambda: recoveries, 90, "the replacement's admission", lambda: heal_story(cp.admin, tmp_path)
+    )
     assert rec.mode == "heal" and rec.worker == "trainers-1" and rec.code == -signal.SIGKILL
     timings = rec.timings()
     assert timings["healthy_ranks_restarted"] == 0 and 0 <= timings["reconfigure_s"] < 5, timings
@@ -158,7 +189,9 @@ def test_two_deaths_at_once_and_settings_kept_in_the_scripts_own_variables(
     pids = launcher.pids("trainers")
     os.kill(pids["trainers-1"], signal.SIGKILL)
     os.kill(pids["trainers-2"], signal.SIGKILL)
-    supervise_until(sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission")
+    supervise_until(
+        sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission", lambda: heal_story(cp.admin, tmp_path)
+    )
     assert launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
     # Three more updates: each replacement's script sets its learning rate from its own (restarted) counter.
     n = len(steps_of(tmp_path, "trainers-0"))
@@ -181,7 +214,9 @@ def test_a_death_while_a_replacement_waits(cp: Harness, supervised: Callable[...
     os.kill(pids["trainers-1"], signal.SIGKILL)
     supervise_until(sup, lambda: "trainers-1" in sup._healing, 30, "the first replacement to start")
     os.kill(pids["trainers-2"], signal.SIGKILL)  # a second death before the first replacement is in
-    supervise_until(sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission")
+    supervise_until(
+        sup, lambda: len(recoveries) >= 2, 120, "both replacements' admission", lambda: heal_story(cp.admin, tmp_path)
+    )
     assert {r.worker for r in recoveries} == {"trainers-1", "trainers-2"}
     assert launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
     assert finish(sup, tmp_path)["max_param_diff"] == 0.0
@@ -211,7 +246,9 @@ def test_the_control_plane_restarted_during_healing(server_factory: Callable[...
                 sup.step()
                 time.sleep(0.05)
             server_factory(settings=settings, port=port)  # back, on the same database
-            (rec,) = supervise_until(sup, lambda: recoveries, 120, "the replacement's admission")
+            (rec,) = supervise_until(
+                sup, lambda: recoveries, 120, "the replacement's admission", lambda: heal_story(admin, tmp_path)
+            )
             assert rec.mode == "heal" and launcher.pids("trainers")["trainers-0"] == pids["trainers-0"]
             assert finish(sup, tmp_path)["max_param_diff"] == 0.0
             epochs = [e["data"]["epoch"] for e in admin.all_events(types=["heal"]) if e["data"]["what"] == "formed"]
@@ -240,7 +277,9 @@ def test_a_frozen_rank_is_fenced_out_and_replaced(cp: Harness, supervised: Calla
     finally:
         os.kill(pids["trainers-1"], signal.SIGCONT)
     # Back from its freeze, it cannot rejoin the old epoch: fenced, it exits, and is replaced.
-    (rec,) = supervise_until(sup, lambda: recoveries, 120, "the frozen rank's replacement")
+    (rec,) = supervise_until(
+        sup, lambda: recoveries, 120, "the frozen rank's replacement", lambda: heal_story(cp.admin, tmp_path)
+    )
     assert rec.worker == "trainers-1" and rec.code not in (0, None)
     fenced = [e["data"] for e in cp.admin.all_events(types=["heal"]) if e["data"]["what"] == "fenced"]
     assert fenced and fenced[0]["rank"] == 1
@@ -324,6 +363,7 @@ def test_ranks_whose_scripts_diverge_stop_instead_of_hanging(
         lambda: [e for e in cp.admin.all_events(types=["heal"]) if e["data"].get("reason") == "admission"],
         120,
         "the replacement's admission",
+        lambda: heal_story(cp.admin, tmp_path),
     )
     gate.touch()
     supervise_until(sup, lambda: any(r.mode == "restart" for r in recoveries), 180, "the fallback restart")

@@ -86,6 +86,15 @@ def supervised_recovery(
         if recoveries:
             rec = recoveries[0]
             out["recovery"] = {**rec.timings(), "total_from_kill_s": round((rec.resumed_at or t_kill) - t_kill, 3)}
+        else:  # what the group went through instead (an intermittent failure leaves nothing else to read)
+            out["heal_story"] = [
+                f"{e['data'].get('what')}@{e['data'].get('epoch')}"
+                + (f" rank {e['data']['rank']}" if "rank" in e["data"] else "")
+                for e in run.client.all_events(types=["heal"], since=t_kill - 1)
+            ]
+            log = home / "launch" / f"default-{victim}.log"
+            tail = log.read_text(errors="replace").splitlines()[-2:] if log.exists() else []
+            out["heal_story"] += [f"replacement's log: {ln[:200]}" for ln in tail]
         # The survivors: the same worker and process, with a step counter that only went up.
         out["survivors"] = {
             r: {"same_process": after.get(r, ("", 0, 0))[1] == pid, "steps_before": n, "steps_after": after[r][2]}
@@ -149,7 +158,8 @@ def recovered(run: DemoRun, result: dict[str, Any]) -> bool:
     )
     rec = result.get("recovery")
     if not rec:
-        run.notes.append("healing: the supervisor did not report the replacement's admission")
+        story = ", ".join(result.get("heal_story", [])) or "none"
+        run.notes.append(f"healing: the supervisor did not report the replacement's admission (heal events: {story})")
         return False
     survivors = result.get("survivors", {})
     kept = all(s["same_process"] and s["steps_after"] > s["steps_before"] for s in survivors.values())

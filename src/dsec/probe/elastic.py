@@ -85,6 +85,7 @@ class ElasticGroup:
         self._broken_epoch: int | None = None  # the epoch the control plane or a failed op says is broken
         self._broken_by_watch = False  # ... and the control plane said so (no need to report it)
         self.join_known = False  # the watch says a replacement waits
+        self._view: dict[str, Any] = {}  # the newest view the watch delivered
         self.admit_at: int | None = None  # agreed admission point (the group's script-collective index)
         self.version = 0
         self._queue: list[Pending] = []
@@ -123,6 +124,11 @@ class ElasticGroup:
         for t in (self._heal_thread, self._watch_thread):
             if t.is_alive():
                 t.join(5.0)
+
+    def journal(self, line: str) -> None:
+        """One line in the op journal (DSEC_HEAL_JOURNAL), when there is one."""
+        if self._journal is not None:
+            self._journal.write(f"{time.time():.4f} {line} r{self.rank}\n")
 
     def _event(self, what: str, data: dict[str, Any]) -> None:
         if self._on_event is not None:
@@ -163,8 +169,7 @@ class ElasticGroup:
         a work that is already complete runs its callback inline."""
         ep = self.ep
         assert ep is not None
-        if self._journal is not None:
-            self._journal.write(f"{time.time():.4f} issue {self.completed} {p.op.sig} e{ep.epoch} r{self.rank}\n")
+        self.journal(f"issue {self.completed} {p.op.sig} e{ep.epoch} pos {self.seq.position}")
         p.epoch, p.state = ep.epoch, State.PENDING
         self._inflight = p
         try:
@@ -218,7 +223,10 @@ class ElasticGroup:
             self._last = (self.completed, p.op.result())
             self.completed += 1
             if p.op.sig is not None:
+                was = self.seq.confirmed()
                 self.seq.add(p.op.sig)
+                if was and not self.seq.confirmed():
+                    self.journal(f"period lost at {self.seq.count - 1}: {p.op.sig} (pattern {self.seq.prefix[:16]})")
         p.fut.set_result(value)
 
     # -- watch thread -----------------------------------------------------------------------------------------
@@ -227,10 +235,13 @@ class ElasticGroup:
 
     def on_view(self, view: dict[str, Any]) -> None:
         with self._lock:
+            self._view = view
             ep = self.ep
             if ep is None:
                 return
-            self.join_known = bool(view.get("joiners")) and view.get("epoch") == ep.epoch
+            self.join_known = self._joiners_waiting(ep.epoch)
+            self.journal(f"view v{view.get('version')} e{view.get('epoch')} {view.get('phase')} joiners "
+                         f"{view.get('joiners')} here e{ep.epoch} join_known {self.join_known}")  # fmt: skip
             broken = view.get("phase") == "broken" or int(view.get("epoch", 0)) > ep.epoch
             if broken and self._broken_epoch is None:
                 self._broken_epoch = ep.epoch
@@ -239,6 +250,10 @@ class ElasticGroup:
                 if p is not None and p.state is State.PENDING:
                     p.known = True
                     self._hand_locked(p, "the control plane reports the epoch broken")
+
+    def _joiners_waiting(self, epoch: int) -> bool:
+        """Whether the newest view shows a replacement waiting to join ``epoch``."""
+        return bool(self._view.get("joiners")) and self._view.get("epoch") == epoch
 
     # -- heal thread ----------------------------------------------------------------------------------------------
     def _heal_loop(self) -> None:
@@ -373,7 +388,10 @@ class ElasticGroup:
                 self.seniority.setdefault(r, plan.epoch)
             self._broken_epoch = None
             self._broken_by_watch = False
-            self.join_known = False
+            # A replacement may have joined this epoch before it was set up here (its view arrived while the
+            # epoch was still being built): knowing of it from that view, not only from the next one, saves
+            # waiting for the group to change again (or for the watch's poll to time out, up to 10 s).
+            self.join_known = self.rank not in plan.joiners and self._joiners_waiting(plan.epoch)
             self.admit_at = None
             self.version += 1
         if self.rank in plan.joiners and not self._watch_thread.is_alive():
@@ -387,6 +405,8 @@ class ElasticGroup:
         if not self.join_known:
             return None
         k = self.seq.next_admission(self.seq.count + 1)
+        if k is None:
+            self.journal(f"no admission point: period {self.seq.period} count {self.seq.count}")
         return None if k is None else self.seq.base + k
 
     def arm_admission(self, at: int) -> None:
@@ -395,6 +415,7 @@ class ElasticGroup:
         with self._lock:
             if at > self.seq.position:
                 self.admit_at = at
+            self.journal(f"arm {at} pos {self.seq.position} admit_at {self.admit_at}")
 
     def reference_rank(self, candidates: list[int]) -> int:
         """The oldest member among ``candidates`` (ties: the lowest rank): whose settings the group keeps."""

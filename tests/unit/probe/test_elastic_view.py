@@ -1,0 +1,68 @@
+"""What a member of a healing group knows from the control plane's watch, across the epoch it is setting up.
+
+A replacement can join an epoch before a survivor has finished building it (a warm standby joins within
+milliseconds): the view saying so then arrives while the survivor's own epoch is still the previous one. The
+survivor must still propose the replacement's admission once the epoch is set up, without waiting for the group to
+change again (the watch only answers on a change, or when its poll times out)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dsec.heal.membership import Plan
+from dsec.probe.elastic import ElasticGroup
+
+pytest.importorskip("torch")
+
+
+class _Client:
+    """The part of HealClient that setting up an epoch of one member reads (no control plane is asked)."""
+
+    def __init__(self, run: str) -> None:
+        self.me = SimpleNamespace(run=run, rank=0)
+
+    def close(self) -> None:
+        pass
+
+
+def _group(run: str) -> ElasticGroup:
+    return ElasticGroup(_Client(run), 0, 1, timeout_s=10.0)  # type: ignore[arg-type]
+
+
+def _plan(g: ElasticGroup, epoch: int, reason: str, joiners: tuple[int, ...] = ()) -> Plan:
+    return Plan(epoch=epoch, members=(0,), store=g.address, completed=0, source=0, joiners=joiners, reason=reason)
+
+
+def _view(epoch: int, joiners: list[int]) -> dict[str, Any]:
+    return {"version": 10 + epoch, "epoch": epoch, "phase": "stable", "members": [0], "joiners": joiners}
+
+
+def test_a_replacement_seen_before_its_epoch_was_set_up_is_known_after() -> None:
+    g = _group("early-view")
+    try:
+        g._adopt(_plan(g, 1, "start"), None)
+        g.on_view(_view(2, [1]))  # the group formed epoch 2 and a replacement waits in it; this member is in 1
+        assert not g.join_known
+        g._adopt(_plan(g, 2, "failure"), None)
+        assert g.join_known
+    finally:
+        g.close(leave=False)
+
+
+def test_a_view_of_an_older_epoch_or_without_joiners_says_nothing_waits() -> None:
+    g = _group("old-view")
+    try:
+        g._adopt(_plan(g, 1, "start"), None)
+        g.on_view(_view(1, [1]))
+        assert g.join_known
+        g._adopt(_plan(g, 2, "admission", joiners=()), None)  # the admission epoch: the view is of epoch 1
+        assert not g.join_known
+        g.on_view(_view(2, []))
+        assert not g.join_known
+        g.on_view(_view(2, [1]))
+        assert g.join_known
+    finally:
+        g.close(leave=False)
