@@ -13,6 +13,8 @@ DSEC_HEAL_REPLACEMENT  1: this process replaces a dead rank (it joins at its fir
 DSEC_HEAL_TIMEOUT_S    collective and rendezvous timeout of each epoch's gloo group             60
 DSEC_HEAL_GIVE_UP_S    how long a member retries an unreachable control plane                   60
 DSEC_HEAL_HOST         the address peers reach this process at                                  route to master
+DSEC_HEAL_JOURNAL      a directory: one file per process, a line per op, watch view, admission  -
+                       vote and lost period (debugging a group that does not heal)
 =====================  =======================================================================  ==============
 """
 
