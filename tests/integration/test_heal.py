@@ -24,6 +24,9 @@ from dsec.launch.local import LocalLauncher
 from dsec.launch.supervisor import Recovery, Supervisor
 
 pytest.importorskip("torch")
+# The tests' own waits (steps, then an admission, then a fallback) add up past the default 120 s: a wait that runs
+# out must fail with its own message and the group's story (heal_story), not be cut by pytest-timeout first.
+pytestmark = pytest.mark.timeout(400)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "heal_train.py"
 
