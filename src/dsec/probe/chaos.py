@@ -16,7 +16,9 @@ Exactly one fault kind per clause:
 Window keys (all optional): ``rank`` (default: every rank), ``after_s`` (from the start of training — the
 first DDP model, optimizer, process group or environment the probe sees — so that a slow start-up on a loaded
 machine does not use up the window before there is anything to disturb; default 0),
-``for_s`` (default: until exit), ``every_s`` (repeat the window with this period). The probe reports
+``for_s`` (default: until exit), ``every_s`` (repeat the window with this period), ``syncs`` (``sync_delay_ms``
+only, without ``every_s``: the window lasts at least until this many of the rank's syncs were delayed — on a
+loaded machine a window of seconds can fall between a learner's update phases and delay nothing). The probe reports
 each window's start and end as ``log`` events carrying the scheduled wall-clock times, which is what
 benchmarks measure reaction times from.
 """
@@ -33,7 +35,7 @@ from typing import Any
 from dsec.errors import InvalidInput
 
 KINDS = ("sync_delay_ms", "memory_growth_mb_per_s", "interrupt_episodes", "grad_spike")
-WINDOW_KEYS = ("rank", "after_s", "for_s", "every_s", "max_mb")
+WINDOW_KEYS = ("rank", "after_s", "for_s", "every_s", "max_mb", "syncs")
 
 
 class ChaosError(InvalidInput, ValueError):
@@ -49,6 +51,7 @@ class Fault:
     for_s: float = math.inf
     every_s: float | None = None
     max_mb: float = 1024.0
+    syncs: int = 0  # sync_delay_ms: the window lasts until at least this many syncs were delayed
 
     def window_index(self, elapsed: float) -> int | None:
         """Which repetition of the window ``elapsed`` falls in, or None when outside every window."""
@@ -112,6 +115,15 @@ def parse(spec: str) -> tuple[Fault, ...]:
         for_s = _number(clause, "for_s", items["for_s"], 0.001) if "for_s" in items else math.inf
         if every is not None and for_s > every:
             raise ChaosError(f"DSEC_CHAOS clause {clause!r}: for_s={for_s:g} must not exceed every_s={every:g}")
+        syncs = items.get("syncs")
+        if syncs is not None:
+            if not (syncs.isascii() and syncs.isdigit()) or int(syncs) < 1:
+                raise ChaosError(f"DSEC_CHAOS clause {clause!r}: syncs={syncs!r} must be a positive integer")
+            if kind != "sync_delay_ms" or every is not None:
+                raise ChaosError(
+                    f"DSEC_CHAOS clause {clause!r}: syncs applies to sync_delay_ms without every_s (not {kind}"
+                    + (", every_s)" if every is not None else ")")
+                )
         faults.append(
             Fault(
                 kind=kind,
@@ -121,6 +133,7 @@ def parse(spec: str) -> tuple[Fault, ...]:
                 for_s=for_s,
                 every_s=every,
                 max_mb=_number(clause, "max_mb", items["max_mb"]) if "max_mb" in items else 1024.0,
+                syncs=int(syncs) if syncs is not None else 0,
             )
         )
     return tuple(faults)
@@ -153,6 +166,8 @@ class Chaos:
         self._ballast_mb = 0.0
         self._target_mb = 0.0  # fractional MB owed: polls faster than 1 MB per poll must still add up
         self._grown_at: float | None = None
+        self._delayed: dict[int, int] = {}  # fault index -> syncs it delayed
+        self._last_delay: dict[int, float] = {}  # fault index -> elapsed time of its latest delayed sync
 
     def arm(self) -> None:
         """Training started: windows count from now (once; later calls change nothing)."""
@@ -169,30 +184,44 @@ class Chaos:
             return None
         return cls(parse(spec), rank=rank)
 
-    def _active(self, kind: str, rank: int | None = None) -> Fault | None:
+    def _window(self, i: int, f: Fault, elapsed: float) -> int | None:
+        """Fault ``i``'s window at ``elapsed``: its scheduled one, stretched while it owes delayed syncs."""
+        window = f.window_index(elapsed)
+        if window is None and f.syncs and elapsed >= f.after_s and self._delayed.get(i, 0) < f.syncs:
+            return 0
+        return window
+
+    def _active(self, kind: str, rank: int | None = None) -> tuple[int, Fault] | None:
         elapsed = self._clock() - self._t0
         my_rank = self._rank()
         if my_rank is None:
             my_rank = rank  # the hook knows its rank before the probe does
-        for f in self.faults:
+        for i, f in enumerate(self.faults):
             if f.kind != kind or (f.rank is not None and f.rank != my_rank):
                 continue
-            if f.window_index(elapsed) is not None:
-                return f
+            if self._window(i, f, elapsed) is not None:
+                return i, f
         return None
 
     # -- asked by hooks ------------------------------------------------------------------------------
     def sync_delay_s(self, rank: int | None = None) -> float:
-        f = self._active("sync_delay_ms", rank)
-        return float(f.value) / 1000.0 if f is not None else 0.0
+        """The delay before this sync (one call per synchronized step)."""
+        found = self._active("sync_delay_ms", rank)
+        if found is None:
+            return 0.0
+        i, f = found
+        with self._lock:
+            self._delayed[i] = self._delayed.get(i, 0) + 1
+            self._last_delay[i] = self._clock() - self._t0
+        return float(f.value) / 1000.0
 
     def grad_factor(self) -> float:
-        f = self._active("grad_spike")
-        return float(f.value) if f is not None else 1.0
+        found = self._active("grad_spike")
+        return float(found[1].value) if found is not None else 1.0
 
     def interrupt_reason(self) -> str | None:
-        f = self._active("interrupt_episodes")
-        return str(f.value) if f is not None else None
+        found = self._active("interrupt_episodes")
+        return str(found[1].value) if found is not None else None
 
     # -- once per beat -------------------------------------------------------------------------------
     def poll(self, emit: EventSink) -> None:
@@ -201,23 +230,25 @@ class Chaos:
         for i, f in enumerate(self.faults):
             if f.rank is not None and f.rank != my_rank:
                 continue
-            window = f.window_index(elapsed)
+            window = self._window(i, f, elapsed)
             if window != self._announced.get(i):
                 previous = self._announced.get(i)
                 self._announced[i] = window
                 if previous is not None:
-                    emit(self._event(f, "stop", previous))
+                    emit(self._event(i, f, "stop", previous))
                 if window is not None:
-                    emit(self._event(f, "start", window))
+                    emit(self._event(i, f, "start", window))
         self._grow_memory()
 
-    def _event(self, f: Fault, phase: str, window: int) -> dict[str, Any]:
+    def _event(self, i: int, f: Fault, phase: str, window: int) -> dict[str, Any]:
         start = f.after_s + window * (f.every_s or 0.0)
-        at = start if phase == "start" else start + f.for_s
+        # A window stretched by ``syncs`` ended at its last delayed sync, not at its schedule.
+        at = start if phase == "start" else max(start + f.for_s, self._last_delay.get(i, 0.0))
         return {"chaos": phase, "fault": f.describe(), "window": window, "at": round(self._wall0 + at, 6)}
 
     def _grow_memory(self) -> None:
-        f = self._active("memory_growth_mb_per_s")
+        found = self._active("memory_growth_mb_per_s")
+        f = found[1] if found is not None else None
         now = self._clock()
         with self._lock:
             if f is None:

@@ -126,6 +126,11 @@ def _raises(spec: str, *fragments: str) -> str:
         # duplicate key
         ("sync_delay_ms=5,rank=1,rank=2", ["'rank' given twice"]),
         ("sync_delay_ms=5,sync_delay_ms=6", ["'sync_delay_ms' given twice"]),
+        # syncs: a positive integer, for sync_delay_ms without every_s
+        ("sync_delay_ms=5,syncs=0", ["syncs='0' must be a positive integer"]),
+        ("sync_delay_ms=5,syncs=2.5", ["syncs='2.5' must be a positive integer"]),
+        ("grad_spike=2,syncs=3", ["syncs applies to sync_delay_ms without every_s (not grad_spike)"]),
+        ("sync_delay_ms=5,syncs=3,for_s=1,every_s=2", ["syncs applies to sync_delay_ms without every_s"]),
         # bad interrupt reason
         ("interrupt_episodes=sim-crash", ["interrupt_episodes='sim-crash' must be a word"]),
         ("interrupt_episodes=", ["interrupt_episodes='' must be a word"]),
@@ -184,6 +189,41 @@ def test_hooks_follow_the_window_on_the_injected_clock() -> None:
     assert by_t[4.5] == [pytest.approx(0.2), 1.0, None]
     assert by_t[5.0] == [0.0, 50.0, "collision"]  # second grad_spike window (1 + 4), sync delay over
     assert by_t[5.5] == [0.0, 50.0, "collision"]
+
+
+def test_a_window_with_syncs_lasts_until_that_many_syncs_were_delayed() -> None:
+    # A learner whose update phase comes after the scheduled window (a slow rollout on a loaded machine) still
+    # gets its delayed syncs; one that syncs often inside the window keeps the scheduled length.
+    late, clock, events = make("sync_delay_ms=150,after_s=1,for_s=2,syncs=3")
+    clock.advance(10)  # the window [1, 3) passed without a sync
+    assert [late.sync_delay_s() for _ in range(4)] == [pytest.approx(0.15)] * 3 + [0.0]
+    late.poll(events.append)
+    assert events == []  # started and ended between two polls: nothing announced
+    busy, clock, _ = make("sync_delay_ms=150,after_s=1,for_s=2,syncs=3")
+    clock.advance(1)
+    assert [busy.sync_delay_s() for _ in range(5)] == [pytest.approx(0.15)] * 5  # inside: every sync
+    clock.advance(2)
+    assert busy.sync_delay_s() == 0.0  # owed nothing: the scheduled end holds
+    plain, clock, _ = make("sync_delay_ms=150,after_s=1,for_s=2")
+    clock.advance(10)
+    assert plain.sync_delay_s() == 0.0  # without syncs: the schedule alone
+
+
+def test_a_stretched_window_reports_its_end_at_its_last_delayed_sync() -> None:
+    chaos, clock, events = make("sync_delay_ms=150,after_s=1,for_s=2,syncs=2")
+    clock.advance(1.5)
+    chaos.poll(events.append)
+    assert chaos.sync_delay_s() == pytest.approx(0.15)
+    clock.advance(4)  # t = 5.5: past the schedule, one sync still owed
+    chaos.poll(events.append)
+    assert len(events) == 1  # still open
+    assert chaos.sync_delay_s() == pytest.approx(0.15)
+    clock.advance(1)
+    chaos.poll(events.append)
+    assert events == [
+        {"chaos": "start", "fault": "sync_delay_ms=150.0", "window": 0, "at": WALL0 + 1.0},
+        {"chaos": "stop", "fault": "sync_delay_ms=150.0", "window": 0, "at": WALL0 + 5.5},
+    ]
 
 
 def test_rank_filter() -> None:
