@@ -59,7 +59,7 @@ def supervised_recovery(
     group, then stop them. Returns the recovery timings, what the survivor did meanwhile, and the PPO result."""
     world = int(ppo[ppo.index("--world-size") + 1])
     stop = home / "recovery-stop"
-    job = _recovery_job(pool, world, ppo[1], env["DSEC_SNAPSHOT_DIR"], stop)
+    job = _recovery_job(pool, world, ppo[1], env["DSEC_SNAPSHOT_DIR"], stop, home / "heal-journal")
     base = {k: v for k, v in env.items() if k not in ("DSEC_CHAOS", "DSEC_SNAPSHOT_DIR", "DSEC_RESTORE")}
     launcher = LocalLauncher(base_env=base, log_dir=home / "launch")
     recoveries: list[Recovery] = []
@@ -95,6 +95,9 @@ def supervised_recovery(
             log = home / "launch" / f"default-{victim}.log"
             tail = log.read_text(errors="replace").splitlines()[-2:] if log.exists() else []
             out["heal_story"] += [f"replacement's log: {ln[:200]}" for ln in tail]
+            for journal in sorted((home / "heal-journal").glob("*.log")):
+                kept = [ln for ln in journal.read_text(errors="replace").splitlines() if " issue " not in ln]
+                out["heal_story"] += [f"{journal.name}: {ln[:200]}" for ln in kept[-4:]]
         # The survivors: the same worker and process, with a step counter that only went up.
         out["survivors"] = {
             r: {"same_process": after.get(r, ("", 0, 0))[1] == pid, "steps_before": n, "steps_after": after[r][2]}
@@ -119,7 +122,7 @@ def supervised_recovery(
     return out
 
 
-def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: Path) -> JobFile:
+def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: Path, journal: Path) -> JobFile:
     """The PPO learners as one healing group ``default`` (the names the first run's snapshots carry), training until
     ``stop`` exists."""
     return JobFile.model_validate(
@@ -134,6 +137,8 @@ def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: P
                     "world_size": world,
                     "memory_gb": 1,
                     "heal": True,
+                    # Each process's op journal: what a failed admission is read from (heal_story).
+                    "env": {"DSEC_HEAL_JOURNAL": str(journal)},
                     "command": [sys.executable, script, "--seed", "1", "--max-seconds", "60", "--log-every", "0",
                                 "--target-return", "100000", "--stop-file", str(stop)],
                 }
