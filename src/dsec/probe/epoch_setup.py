@@ -104,7 +104,12 @@ def watch(client: HealClient, closed: Callable[[], bool], on_view: Callable[[dic
             time.sleep(0.2)
             continue
         since = int(view.get("version", since))
-        on_view(view)
+        try:
+            on_view(view)
+        except Exception:
+            # A watch thread that died would leave this member deaf to replacements (never admitted) and to
+            # broken epochs: log and keep watching.
+            log.exception("dsec: a heal watch view could not be applied")
 
 
 def heal_failure(exc: Exception, event: Callable[[str, dict[str, Any]], None]) -> Exception:

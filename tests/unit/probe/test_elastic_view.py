@@ -66,3 +66,25 @@ def test_a_view_of_an_older_epoch_or_without_joiners_says_nothing_waits() -> Non
         assert g.join_known
     finally:
         g.close(leave=False)
+
+
+def test_the_watch_goes_on_after_a_view_it_could_not_apply() -> None:
+    from dsec.probe import epoch_setup
+
+    class Watching:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def watch(self, since: int, timeout: float = 20.0) -> dict[str, Any]:
+            self.calls += 1
+            return _view(self.calls, [1]) | {"version": since + 1}
+
+    client, applied = Watching(), []
+
+    def on_view(view: dict[str, Any]) -> None:
+        if view["epoch"] == 1:
+            raise RuntimeError("a view this member could not apply")
+        applied.append(view["epoch"])
+
+    epoch_setup.watch(client, lambda: client.calls >= 3, on_view)  # type: ignore[arg-type]
+    assert applied == [2, 3]  # the first view's error did not end the watch
