@@ -69,23 +69,69 @@ with ServerThread(create_app(settings)) as server, Client(server.url, token="ben
 """
 
 
+FRAMES_ENV = "DsecBench/Frames-v0"
+
+
+def _register_frames_env(gym: Any) -> None:
+    """A pixel environment for the ``cnn`` workload: 4 stacked 84x84 uint8 frames per observation (the Atari
+    preprocessing IMPALA/PPO learners train on), random frames, episodes of 50-500 steps. Stands in for an emulator
+    (none is installed here): the learner's side — the network, the batch, the probe's hooks — is what is measured."""
+    import numpy as np
+
+    class Frames(gym.Env):
+        observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        action_space = gym.spaces.Discrete(6)
+
+        def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[Any, dict[str, Any]]:
+            super().reset(seed=seed)
+            self._left = int(self.np_random.integers(50, 500))
+            return self.np_random.integers(0, 256, (4, 84, 84), dtype=np.uint8), {}
+
+        def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+            self._left -= 1
+            frame = self.np_random.integers(0, 256, (4, 84, 84), dtype=np.uint8)
+            return frame, float(self.np_random.random()), self._left <= 0, False, {}
+
+    if FRAMES_ENV not in gym.registry:
+        gym.register(FRAMES_ENV, entry_point=Frames)
+
+
+def _network(torch: Any, workload: str) -> tuple[Any, str, int]:
+    """(actor-critic network, env id, envs per vector env) of a workload: ``mlp`` a 4-64-64-3 MLP on CartPole (a
+    deliberately tiny step: the probe's fixed cost per step at its largest share); ``cnn`` the Nature-CNN encoder
+    (3 conv layers, 512 units) with policy and value heads on 84x84x4 frames, as an Atari PPO/IMPALA learner."""
+    from torch import nn
+
+    if workload == "mlp":
+        net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+        return net, "CartPole-v1", 4
+    net = nn.Sequential(
+        nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+        nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 3),
+    )  # fmt: skip
+    return net, FRAMES_ENV, 8
+
+
 class Workload:
     """One copy of the RL workload (built under whatever instrumentation is installed at the time)."""
 
-    def __init__(self, torch: Any, gym: Any, env_steps: int, seed: int = 0) -> None:
-        from torch import nn
-
+    def __init__(self, torch: Any, gym: Any, env_steps: int, seed: int = 0, workload: str = "mlp") -> None:
         self.torch = torch
         torch.manual_seed(seed)
-        net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
-        self.model = nn.parallel.DistributedDataParallel(net)
+        net, env_id, num_envs = _network(torch, workload)
+        self.model = torch.nn.parallel.DistributedDataParallel(net)
         self.net = net
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, eps=1e-5)
-        self.envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
+        self.envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync")
+        self.pixels = workload == "cnn"
         obs, _ = self.envs.reset(seed=seed)
-        self.obs = torch.as_tensor(obs, dtype=torch.float32)
+        self.obs = self._tensor(obs)
         self.env_steps = env_steps
         self.gen = torch.Generator().manual_seed(seed)
+
+    def _tensor(self, obs: Any) -> Any:
+        x = self.torch.as_tensor(obs, dtype=self.torch.float32)
+        return x / 255.0 if self.pixels else x
 
     def step(self) -> None:
         torch = self.torch
@@ -96,7 +142,7 @@ class Workload:
                 action = torch.multinomial(torch.softmax(out[:, :2], -1), 1, generator=self.gen).squeeze(-1)
                 obs, _, _, _, _ = self.envs.step(action.numpy())
                 batch.append(self.obs)
-                self.obs = torch.as_tensor(obs, dtype=torch.float32)
+                self.obs = self._tensor(obs)
         x = torch.cat(batch)
         out = self.model(x)
         loss = out[:, 2].pow(2).mean() - torch.log_softmax(out[:, :2], -1).mean()
@@ -194,6 +240,12 @@ def main() -> int:
     ap.add_argument("--heartbeat", type=float, default=1.0, help="the probe's heartbeat interval (s)")
     ap.add_argument("--attribution-steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--workload",
+        choices=("mlp", "cnn"),
+        default="mlp",
+        help="mlp: a tiny CartPole MLP (a few ms per step); cnn: a Nature-CNN learner on 84x84x4 frames",
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
 
@@ -225,7 +277,8 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    plain = Workload(torch, gym, args.env_steps)  # built before the probe: the bypassed copy
+    _register_frames_env(gym)
+    plain = Workload(torch, gym, args.env_steps, workload=args.workload)  # built before the probe: the bypassed copy
 
     from dsec.probe.config import ProbeConfig
     from dsec.probe.runtime import Probe
@@ -244,7 +297,7 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
     probe._install_torch(torch)
     probe._install_gym(gym)
     inst = probe.torch
-    probed = Workload(torch, gym, args.env_steps)  # the probe's comm hook, optimizer gating, env monitor
+    probed = Workload(torch, gym, args.env_steps, workload=args.workload)  # comm hook, optimizer gating, env monitor
     probe.activity("benchmark")  # registers and starts the reporter thread
 
     def active(on: bool) -> None:
@@ -354,6 +407,7 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
         "pairs_dropped_as_outliers_wall": wall_dropped,
         "steps_per_block": args.steps,
         "env_steps_per_step": args.env_steps,
+        "workload": args.workload,
         "heartbeat_s": args.heartbeat,
         "reporter_cpu_s": round(cpu_s, 4),
         "measured_wall_s": round(wall_s, 1),
