@@ -45,18 +45,26 @@ def wait_for_ranks(
     look at the control plane; a failed look is retried at the next one."""
     total = sum(g.world_size for g in sup.job.groups)
     done, next_look, started = 0, 0.0, time.monotonic()
+
+    def look() -> None:
+        nonlocal done
+        try:
+            done = max(done, registered_ranks(client, sup.job, before))
+        except ClientError as exc:
+            log.warning("launch: could not count registered ranks (%s); retrying", exc)
+        on_progress(done, total)
+
     while True:
         now = time.monotonic()
         if now >= next_look:
             next_look = now + (POLL_S if now - started < SLOW_AFTER_S else SLOW_POLL_S)
-            try:
-                done = max(done, registered_ranks(client, sup.job, before))
-            except ClientError as exc:
-                log.warning("launch: could not count registered ranks (%s); retrying", exc)
-            on_progress(done, total)
+            look()
         if done >= total:
             return True
         if sup.failed or sup.finished() or (deadline is not None and now > deadline):
-            return False
+            # One last look: ranks that registered (and a short job's ranks that also finished) since the previous
+            # one count — the bar's last state is then the truth, not the count of up to a poll ago.
+            look()
+            return done >= total
         sup.step()
         time.sleep(sup.poll_s)
