@@ -65,6 +65,6 @@ def wait_for_ranks(
             # One last look: ranks that registered (and a short job's ranks that also finished) since the previous
             # one count — the bar's last state is then the truth, not the count of up to a poll ago.
             look()
-            return done >= total
+            return bool(done >= total)
         sup.step()
         time.sleep(sup.poll_s)
