@@ -1,8 +1,9 @@
-"""Details of the worker protocol that test_beats_contract.py leaves open: the texts of its refusals, who a
-judgment's directive names as its author, the beat's row as its own commit writes it, and the log line of a
-judgment that cannot become a directive.
+"""Details of the worker protocol that test_beats_contract.py leaves open: the directive version 1 registration
+writes, who a judgment's directive names as its author, a beat's row (committed by the beat, or flushed by the writer),
+the answer to each beat, the log line of a judgment that cannot become a directive, and the codes and texts of
+refusals.
 
-Written against the survivors of the second mutation run on control/beats.py and control/directives.py
+Written against the survivors of the second and third mutation runs on control/beats.py and control/directives.py
 (docs/testing.md); same in-process control plane over SQLite on a virtual clock, no server."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dsec.control.directives import directive_from
 from dsec.control.schemas import RegisterRequest
 from dsec.control.service import ControlPlane
 from dsec.decide import Verdict
-from dsec.model import Device, EventType, WorkerState
+from dsec.model import Device, EventType, Pool, WorkerState
 
 
 @pytest.fixture
@@ -31,11 +32,21 @@ def clock() -> Clock:
 
 @pytest.fixture
 async def cp(tmp_path: Path, clock: Clock) -> AsyncIterator[ControlPlane]:
-    async for plane in _plane(tmp_path, clock, max_metrics_per_worker=3, max_workers_per_token=1):
+    async for plane in _plane(tmp_path, clock, max_metrics_per_worker=3):
         yield plane
 
 
-# -- what a judgment writes -----------------------------------------------------------------------------------
+# -- what registration, a beat and a judgment write -------------------------------------------------------------
+async def test_registration_writes_version_1_with_the_pools_fields(cp: ControlPlane) -> None:
+    # Durable with the worker: a restart finds the pool's fields, not the defaults it falls back to without a row.
+    await cp.put_pool(Pool("pool-c", memory_base_gb=3.0, memory_ceiling_gb=5.0, snapshot_interval_s=30.0))
+    answer = await cp.register(RegisterRequest(pool="pool-c"), ADMIN_TOKEN)
+    (stored,) = [d for d in cp.store.list_directives() if d.worker_id == answer["worker_id"]]
+    assert (stored.version, stored.updated_at) == (1, T0)
+    fields = stored.fields
+    assert (fields.memory_quota_gb, fields.memory_ceiling_gb, fields.snapshot_interval_s) == (3.0, 5.0, 30.0)
+
+
 async def test_a_directive_two_decisions_made_names_both(cp: ControlPlane) -> None:
     w = await _worker(cp)
     await cp.set_directive(w, {"precision": "fp16"}, actor="ops")  # fp16 falls back to fp32
