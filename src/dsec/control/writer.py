@@ -95,19 +95,25 @@ class GroupCommitWriter:
         dirty = self._take_dirty() if flush_dirty else []
         if not items and not dirty:
             return
-        merged = merge_batches(dirty, [batch for batch, _ in items])
+        merged: WriteBatch | None = None
         try:
+            # Inside the try: a batch that cannot be merged (a bug that built a malformed one) must fail its own
+            # request, not end this thread — every later commit, and the beats behind them, would wait forever.
+            merged = merge_batches(dirty, [batch for batch, _ in items])
             ids = self._store.write(merged)
         except Exception as exc:  # the database may be down; callers get the error, hot rows retry
             self._mark_dirty(*(w.id for w in dirty))
-            if isinstance(exc, StoreConflict) and len(items) > 1:
-                # One request contradicts the stored state (a policy version another control plane took): the
-                # requests merged with it are fine on their own, so each is written alone.
+            if (merged is None or isinstance(exc, StoreConflict)) and len(items) > 1:
+                # One request contradicts the stored state (a policy version another control plane took) or
+                # cannot be merged: the requests merged with it are fine on their own, so each is written alone.
                 for item in items:
                     self._commit([item], flush_dirty=False)
                 return
             self.failures += 1
-            log.warning("store write failed (%d rows, %d requests): %s", len(merged.workers), len(items), exc)
+            if merged is None:
+                log.error("a write batch could not be merged (%d requests)", len(items), exc_info=exc)
+            else:
+                log.warning("store write failed (%d rows, %d requests): %s", len(merged.workers), len(items), exc)
             for _, fut in items:
                 fut.set_exception(exc)
             return

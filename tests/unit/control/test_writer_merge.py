@@ -96,3 +96,25 @@ def test_a_conflicting_request_fails_alone(gated: GatedStore) -> None:
     assert gated.current_policy() == PolicyRow(1, "x", "a.yaml", 1.0)
     assert [e.data["msg"] for e in gated.query_events(EventQuery(limit=100))] == ["first", "kept"]
     assert writer.failures == 1
+
+
+def test_a_batch_that_cannot_be_merged_fails_alone_and_the_writer_goes_on(gated: GatedStore) -> None:
+    # Only code can build such a batch (a request cannot); before, merging it raised in the writer thread, which
+    # died: its request and every later commit waited forever.
+    writer = GroupCommitWriter(gated, take_dirty=list, mark_dirty=lambda *ids: None, flush_interval_s=60)
+    try:
+        gated.armed.set()
+        first = writer.submit(WriteBatch(events=[ev("first")]))
+        assert gated.writing.wait(10)
+        malformed = writer.submit(WriteBatch(workers=[None], events=[ev("lost")]))  # type: ignore[list-item]
+        innocent = writer.submit(WriteBatch(events=[ev("kept")]))
+        gated.gate.set()
+        assert len(first.result(10)) == 1
+        with pytest.raises(Exception):  # noqa: B017 - whatever the merge raises, the request gets it
+            malformed.result(10)
+        assert len(innocent.result(10)) == 1
+        assert writer.alive()
+        assert len(writer.submit(WriteBatch(events=[ev("after")])).result(10)) == 1
+    finally:
+        writer.close()
+    assert [e.data["msg"] for e in gated.query_events(EventQuery(limit=100))] == ["first", "kept", "after"]
