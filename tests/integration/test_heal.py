@@ -46,7 +46,9 @@ def job_file(tmp_path: Path, world: int = 3, extra: tuple[str, ...] = (), **rest
                     "heal": True,
                     "env": {"DSEC_HEARTBEAT_INTERVAL": "0.5", "OMP_NUM_THREADS": "1", "DSEC_HEAL_TIMEOUT_S": "20",
                             # one line per op, view and admission vote of each process, for heal_story
-                            "DSEC_HEAL_JOURNAL": str(tmp_path / "journal")},
+                            "DSEC_HEAL_JOURNAL": str(tmp_path / "journal"),
+                            # a rank that dies of a signal prints its Python stack (one exited -11 at teardown)
+                            "PYTHONFAULTHANDLER": "1"},
                     "command": [
                         sys.executable, str(FIXTURE), "--stop-file", str(tmp_path / "stop"),
                         "--out", str(tmp_path / "out.json"), *extra,
@@ -169,7 +171,11 @@ def test_a_killed_rank_is_replaced_while_its_peers_keep_training(
         assert after and after[0] < rec.resumed_at, f"{w} waited for the replacement"
     out = finish(sup, tmp_path)
     assert out["max_param_diff"] == 0.0, out
-    (ev,) = cp.admin.all_events(types=["recovery"])
+    recovery_events = cp.admin.all_events(types=["recovery"])
+    # One recovery: the heal. A second one here was a rank that exited -11 in teardown after the job finished
+    # (2026-12-02, once): the supervisor restarted the group for it; the story says which rank and how.
+    assert len(recovery_events) == 1, [e["data"] for e in recovery_events[1:]] + [heal_story(cp.admin, tmp_path)]
+    (ev,) = recovery_events
     assert ev["data"]["mode"] == "heal" and ev["data"]["devices"] == {"trainers-1": rec.devices["trainers-1"]}
     heals = [e["data"] for e in cp.admin.all_events(types=["heal"]) if e["data"]["what"] == "formed"]
     assert [h["reason"] for h in heals] == ["start", "failure", "admission"], heals

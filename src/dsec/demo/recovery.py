@@ -138,7 +138,7 @@ def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: P
                     "memory_gb": 1,
                     "heal": True,
                     # Each process's op journal: what a failed admission is read from (heal_story).
-                    "env": {"DSEC_HEAL_JOURNAL": str(journal)},
+                    "env": {"DSEC_HEAL_JOURNAL": str(journal), "PYTHONFAULTHANDLER": "1"},
                     "command": [sys.executable, script, "--seed", "1", "--max-seconds", "60", "--log-every", "0",
                                 "--target-return", "100000", "--stop-file", str(stop)],
                 }
