@@ -84,8 +84,7 @@ class ElasticGroup:
         self._inflight: Pending | None = None
         self._broken_epoch: int | None = None  # the epoch the control plane or a failed op says is broken
         self._broken_by_watch = False  # ... and the control plane said so (no need to report it)
-        self.join_known = False  # the watch says a replacement waits
-        self._view: dict[str, Any] = {}  # the newest view the watch delivered
+        self._view: dict[str, Any] = {}  # the newest view the watch delivered (join_known reads it)
         self.admit_at: int | None = None  # agreed admission point (the group's script-collective index)
         self.version = 0
         self._queue: list[Pending] = []
@@ -239,7 +238,6 @@ class ElasticGroup:
             ep = self.ep
             if ep is None:
                 return
-            self.join_known = self._joiners_waiting(ep.epoch)
             self.journal(f"view v{view.get('version')} e{view.get('epoch')} {view.get('phase')} joiners "
                          f"{view.get('joiners')} here e{ep.epoch} join_known {self.join_known}")  # fmt: skip
             broken = view.get("phase") == "broken" or int(view.get("epoch", 0)) > ep.epoch
@@ -251,9 +249,14 @@ class ElasticGroup:
                     p.known = True
                     self._hand_locked(p, "the control plane reports the epoch broken")
 
-    def _joiners_waiting(self, epoch: int) -> bool:
-        """Whether the newest view shows a replacement waiting to join ``epoch``."""
-        return bool(self._view.get("joiners")) and self._view.get("epoch") == epoch
+    @property
+    def join_known(self) -> bool:
+        """Whether the newest view of the group shows a replacement waiting to join this member's current epoch.
+        Read against the epoch set up *now*: a view that arrived while that epoch was still being built (a
+        replacement joins it within milliseconds) counts once it is set up, without waiting for the group's next
+        change or the watch's poll (up to 10 s)."""
+        ep = self.ep
+        return ep is not None and bool(self._view.get("joiners")) and self._view.get("epoch") == ep.epoch
 
     # -- heal thread ----------------------------------------------------------------------------------------------
     def _heal_loop(self) -> None:
@@ -388,10 +391,6 @@ class ElasticGroup:
                 self.seniority.setdefault(r, plan.epoch)
             self._broken_epoch = None
             self._broken_by_watch = False
-            # A replacement may have joined this epoch before it was set up here (its view arrived while the
-            # epoch was still being built): knowing of it from that view, not only from the next one, saves
-            # waiting for the group to change again (or for the watch's poll to time out, up to 10 s).
-            self.join_known = self.rank not in plan.joiners and self._joiners_waiting(plan.epoch)
             self.admit_at = None
             self.version += 1
         if self.rank in plan.joiners and not self._watch_thread.is_alive():
