@@ -124,6 +124,11 @@ class ElasticGroup:
             if t.is_alive():
                 t.join(5.0)
 
+    @property
+    def journaling(self) -> bool:
+        """Whether DSEC_HEAL_JOURNAL is set: the per-op call sites format their lines only then (hot path)."""
+        return self._journal is not None
+
     def journal(self, line: str) -> None:
         """One line in the op journal (DSEC_HEAL_JOURNAL), when there is one."""
         if self._journal is not None:
@@ -168,7 +173,8 @@ class ElasticGroup:
         a work that is already complete runs its callback inline."""
         ep = self.ep
         assert ep is not None
-        self.journal(f"issue {self.completed} {p.op.sig} e{ep.epoch} pos {self.seq.position}")
+        if self._journal is not None:
+            self.journal(f"issue {self.completed} {p.op.sig} e{ep.epoch} pos {self.seq.position}")
         p.epoch, p.state = ep.epoch, State.PENDING
         self._inflight = p
         try:
@@ -222,7 +228,7 @@ class ElasticGroup:
             self._last = (self.completed, p.op.result())
             self.completed += 1
             if p.op.sig is not None:
-                was = self.seq.confirmed()
+                was = self._journal is not None and self.seq.confirmed()
                 self.seq.add(p.op.sig)
                 if was and not self.seq.confirmed():
                     self.journal(f"period lost at {self.seq.count - 1}: {p.op.sig} (pattern {self.seq.prefix[:16]})")

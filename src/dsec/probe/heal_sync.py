@@ -101,7 +101,7 @@ class HealingSync(SyncCoordinator):
             self.telemetry.record_arrival(-min(deltas), max(0.0, latency_s - max(deltas)) - min(deltas))
         self._synced(headers)
         proposals = {headers[r].admit for r in present if headers[r].has(sh.Flag.JOIN_KNOWN)}
-        if proposals:
+        if proposals and self.elastic.journaling:
             self.elastic.journal(f"proposals {[(r, headers[r].admit, headers[r].flags) for r in present]}")
         if len(proposals) == 1 and all(headers[r].has(sh.Flag.JOIN_KNOWN) for r in present):
             # Every member knew of the waiting replacement and proposed the same point: arm the admission.
