@@ -96,7 +96,7 @@ def _register_frames_env(gym: Any) -> None:
         gym.register(FRAMES_ENV, entry_point=Frames)
 
 
-def _network(torch: Any, workload: str) -> tuple[Any, str, int]:
+def _network(workload: str) -> tuple[Any, str, int]:
     """(actor-critic network, env id, envs per vector env) of a workload: ``mlp`` a 4-64-64-3 MLP on CartPole (a
     deliberately tiny step: the probe's fixed cost per step at its largest share); ``cnn`` the Nature-CNN encoder
     (3 conv layers, 512 units) with policy and value heads on 84x84x4 frames, as an Atari PPO/IMPALA learner."""
@@ -118,7 +118,7 @@ class Workload:
     def __init__(self, torch: Any, gym: Any, env_steps: int, seed: int = 0, workload: str = "mlp") -> None:
         self.torch = torch
         torch.manual_seed(seed)
-        net, env_id, num_envs = _network(torch, workload)
+        net, env_id, num_envs = _network(workload)
         self.model = torch.nn.parallel.DistributedDataParallel(net)
         self.net = net
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, eps=1e-5)
