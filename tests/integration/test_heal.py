@@ -22,6 +22,7 @@ from conftest import Harness, make_settings, wait_for
 from dsec.launch.jobfile import JobFile
 from dsec.launch.local import LocalLauncher
 from dsec.launch.supervisor import Recovery, Supervisor
+from dsec.probe.epoch_setup import journal_tails
 
 pytest.importorskip("torch")
 # The tests' own waits (steps, then an admission, then a fallback) add up past the default 120 s: a wait that runs
@@ -119,10 +120,9 @@ def heal_story(admin: Any, tmp_path: Path) -> str:
         other = [ln for ln in text if not ln.startswith('{"rank"')]
         lines.append(f"{log.name}: {len(steps)} step lines, last {steps[-1] if steps else None}")
         lines.extend(f"  {ln[:300]}" for ln in other[-15:])
-    for journal in sorted((tmp_path / "journal").glob("*.log")):
-        kept = [ln for ln in journal.read_text(errors="replace").splitlines() if " issue " not in ln]
-        lines.append(f"{journal.name}: {len(kept)} lines besides issues; the last:")
-        lines.extend(f"  {ln[:300]}" for ln in kept[-12:])
+    for name, kept in journal_tails(tmp_path / "journal", 12):
+        lines.append(f"{name}: the last lines besides issues:")
+        lines.extend(f"  {ln[:300]}" for ln in kept)
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.launch.jobfile import JobFile
 from dsec.launch.local import LocalLauncher
 from dsec.launch.supervisor import Recovery, Supervisor
+from dsec.probe.epoch_setup import journal_tails
 
 if TYPE_CHECKING:
     from dsec.demo import DemoRun
@@ -95,9 +96,8 @@ def supervised_recovery(
             log = home / "launch" / f"default-{victim}.log"
             tail = log.read_text(errors="replace").splitlines()[-2:] if log.exists() else []
             out["heal_story"] += [f"replacement's log: {ln[:200]}" for ln in tail]
-            for journal in sorted((home / "heal-journal").glob("*.log")):
-                kept = [ln for ln in journal.read_text(errors="replace").splitlines() if " issue " not in ln]
-                out["heal_story"] += [f"{journal.name}: {ln[:200]}" for ln in kept[-4:]]
+            for name, kept in journal_tails(home / "heal-journal", 4):
+                out["heal_story"] += [f"{name}: {ln[:200]}" for ln in kept]
         # The survivors: the same worker and process, with a step counter that only went up.
         out["survivors"] = {
             r: {"same_process": after.get(r, ("", 0, 0))[1] == pid, "steps_before": n, "steps_after": after[r][2]}

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dsec.heal.membership import Plan
@@ -72,6 +73,16 @@ def open_journal() -> TextIO | None:
         return None
     os.makedirs(journal, exist_ok=True)
     return open(os.path.join(journal, f"ops-{os.getpid()}.log"), "a", buffering=1)
+
+
+def journal_tails(directory: Path, lines: int) -> list[tuple[str, list[str]]]:
+    """Each journal file under ``directory`` (by name) with its last ``lines`` lines other than per-op ``issue``
+    lines: the views, admission votes, arming and lost periods that say why a replacement was not admitted."""
+    out = []
+    for path in sorted(directory.glob("*.log")):
+        kept = [ln for ln in path.read_text(errors="replace").splitlines() if " issue " not in ln]
+        out.append((path.name, kept[-lines:]))
+    return out
 
 
 def sequence_counters(plan: Plan, seq: Sequence, seniority: dict[int, int]) -> dict[str, Any]:

@@ -88,3 +88,13 @@ def test_the_watch_goes_on_after_a_view_it_could_not_apply() -> None:
 
     epoch_setup.watch(client, lambda: client.calls >= 3, on_view)  # type: ignore[arg-type]
     assert applied == [2, 3]  # the first view's error did not end the watch
+
+
+def test_journal_tails_keep_the_last_lines_other_than_per_op_issues(tmp_path: Any) -> None:
+    from dsec.probe import epoch_setup
+
+    (tmp_path / "ops-2.log").write_text("1.0 view v1 e1 r0\n1.1 issue 0 grad e1 pos 0 r0\n1.2 arm 9 pos 1 r0\n")
+    (tmp_path / "ops-1.log").write_text("1.0 issue 0 grad e1 pos 0 r1\n")
+    (tmp_path / "other.txt").write_text("not a journal\n")
+    assert epoch_setup.journal_tails(tmp_path, 1) == [("ops-1.log", []), ("ops-2.log", ["1.2 arm 9 pos 1 r0"])]
+    assert epoch_setup.journal_tails(tmp_path / "absent", 5) == []
