@@ -349,6 +349,7 @@ class Group:
             "members": sorted(self.members),
             "joiners": sorted(self.joiners),
             "dead": sorted(self.dead),
+            "left": sorted(self.left),  # finished cleanly: a later death of theirs is no failure (supervisor)
             "world": self.world,
             "formed_at": self.formed_at,
             "reason": self.plan.reason if self.plan is not None else None,

@@ -72,6 +72,7 @@ class Supervisor:
         self.restarts: dict[str, int] = {g.name: 0 for g in job.groups}
         self.done: set[str] = set()  # workers that finished with status 0
         self.failed: dict[str, str] = {}  # group -> why it was given up
+        self.died_after_end: dict[str, int] = {}  # worker -> signal exit after it left its healing group cleanly
         self.recoveries: list[Recovery] = []
         self._pending: dict[str, Recovery] = {}  # group -> recovery waiting for its restores
         self._healing: dict[str, Recovery] = {}  # worker -> heal waiting for its replacement's admission
@@ -178,6 +179,15 @@ class Supervisor:
             return
         detect_s = max(0.0, e.at - previous)
         self._live.get(e.group, set()).discard(e.worker)
+        if e.code is not None and e.code < 0 and self._left_cleanly(e):
+            # Its script had ended (it left the group at destroy_process_group or a clean interpreter exit) and the
+            # process died by a signal in teardown (e.g. a native destructor at interpreter shutdown): its training
+            # is complete, nothing is healed and nothing restarted (a restart from snapshots would redo finished work).
+            log.warning("%s died by signal %d after it left its healing group cleanly: counted finished",
+                        e.worker, -e.code)  # fmt: skip
+            self.died_after_end[e.worker] = e.code
+            self.done.add(e.worker)
+            return
         waiting = {w for w, r in self._healing.items() if r.group == e.group}
         members = self._live.get(e.group, set()) - waiting - {e.worker}
         # Healing needs a live member to carry the state: with none left (every rank died, or the ranks stopped
@@ -190,6 +200,18 @@ class Supervisor:
     def _heal_request(self, group: str, method: str, path: str, body: Any = None) -> Any:
         assert self.heal_client is not None
         return self.heal_client.request(method, f"/v1/heal/{self.runs[group]}{path}", json=body)
+
+    def _left_cleanly(self, e: Exit) -> bool:
+        """Whether the exited rank had left its healing group cleanly (the control plane's view says so)."""
+        if e.group not in self.runs or self.heal_client is None:
+            return False
+        try:
+            state = self._heal_request(e.group, "GET", "")
+        except Exception as exc:
+            log.warning("group %s: cannot read the healing group (%s); treating %s's exit as a failure",
+                        e.group, exc, e.worker)  # fmt: skip
+            return False
+        return int(e.worker.rsplit("-", 1)[1]) in (state.get("left") or [])
 
     def _heal(self, e: Exit, detect_s: float) -> bool:
         """Replace the dead rank in place (its peers keep training). False: the group must restart instead."""

@@ -96,9 +96,10 @@ class Healing:
             self.probe.replicas.force_check()  # replicas are compared at the first step after every heal
         self.probe.event("log", urgent=what != "formed", kind="heal", what=what, run=self.run, **data)
 
-    def close(self) -> None:
+    def close(self, leave: bool = True) -> None:
+        """Stop this member's healing threads; ``leave``: tell the group it finished cleanly (its exit: no failure)."""
         if self.elastic is not None:
-            self.elastic.close(leave=True)
+            self.elastic.close(leave=leave)
 
     # -- the script's collectives ----------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -251,11 +251,12 @@ class Probe:
 
     def close(self, reason: str = "exit", dying: bool = False) -> None:
         """Flush and deregister with ``reason``. A member terminated by SIGTERM does not leave its healing group as if
-        it had finished (it did not); ``dying`` (the signal's default action follows): gloo's threads need no
-        settling before an interpreter shutdown that will not happen."""
+        it had finished (it did not), nor does one whose script ended with an uncaught exception (``error``: its
+        exit is a failure, reported by the supervisor); ``dying`` (the signal's default action follows): gloo's
+        threads need no settling before an interpreter shutdown that will not happen."""
         if self.healing is not None and reason != "sigterm":
             try:
-                self.healing.close()
+                self.healing.close(leave=reason != "error")
             except Exception:
                 log.exception("dsec: leaving the healing group failed")
         if self.snapshots is not None:
