@@ -69,6 +69,8 @@ def _is_number(value: object) -> bool:
 
 
 def _check_nonneg(name: str, value: object, context: str = "") -> None:
+    if type(value) is float and 0.0 <= value < math.inf:  # the common case, decided by the full test below too
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name}={value!r}{context} is invalid: expected a finite number >= 0")
 
@@ -94,16 +96,19 @@ class WorkerMemory:
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError(f"worker_id={self.worker_id!r} is invalid: expected a non-empty worker id")
-        context = f" for worker {self.worker_id!r}"
-        if self.used_gb is not None:
-            _check_nonneg("used_gb", self.used_gb, context)
-        _check_nonneg("quota_gb", self.quota_gb, context)
-        if self.ceiling_gb is not None:
-            _check_nonneg("ceiling_gb", self.ceiling_gb, context)
-        _check_nonneg("ramp_gb_per_s", self.ramp_gb_per_s, context)
-        for name in ("recent_peak_gb", "limit_gb"):
-            if getattr(self, name) is not None:
-                _check_nonneg(name, getattr(self, name), context)
+        for name, value in (
+            ("used_gb", self.used_gb),
+            ("quota_gb", self.quota_gb),
+            ("ceiling_gb", self.ceiling_gb),
+            ("ramp_gb_per_s", self.ramp_gb_per_s),
+            ("recent_peak_gb", self.recent_peak_gb),
+            ("limit_gb", self.limit_gb),
+        ):
+            # None is "not reported / not set" for every field but quota_gb and ramp_gb_per_s, which it fails.
+            if value is None and name not in ("quota_gb", "ramp_gb_per_s"):
+                continue
+            if type(value) is not float or not 0.0 <= value < math.inf:  # else: a finite float >= 0, valid
+                _check_nonneg(name, value, f" for worker {self.worker_id!r}")
 
 
 @dataclass(frozen=True)

@@ -247,6 +247,10 @@ def _total(assignments: list[Assignment]) -> float:
     return sum(a.score for a in assignments)
 
 
+#: An assignment's score terms, in the order they are summed.
+_TERMS = ("state", "numa", "nvlink", "node", "probation")
+
+
 def _place_group(
     group: GroupSpec,
     candidates: list[str],
@@ -264,6 +268,8 @@ def _place_group(
     # affinity to each device model. Placing 16 workers over hundreds of candidates asked Profiles millions of times.
     risk = {d: profiles.device_risk(d, group.load_class) for d in candidates}
     counter = {"learner": "actor", "actor": "learner"}
+    node_term = weights.node if one_node else 0.0
+    nvlink = bool(group.replay_share)
     for w in _order(group):
         key = w.key or f"{group.name}/{w.name}"
         affinity: dict[str, float] = {}
@@ -272,29 +278,29 @@ def _place_group(
         for p in placed:
             if p.role == counter.get(w.role) and p.numa_node >= 0:
                 partners[(p.node, p.numa_node)] = partners.get((p.node, p.numa_node), 0.0) + 1.0
-        best: tuple[float, str, dict[str, float]] | None = None
+        # Each candidate's terms as a tuple (in _TERMS order): a dict per candidate cost more than the scoring.
+        best: tuple[float, str, tuple[float, ...]] | None = None
         for d in left:
             dev = inventory.devices[d]
             if dev.memory_gb and used.get(d, 0.0) + w.memory_gb > dev.memory_gb:
                 continue
             if dev.model not in affinity:
                 affinity[dev.model] = profiles.worker_model_affinity(key, dev.model)
-            terms = {
-                "state": weights.state * (-risk[d] + affinity[dev.model]),
-                "numa": weights.numa * (partners.get((dev.node, dev.numa_node), 0.0) if dev.numa_node >= 0 else 0.0),
-                "nvlink": weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d))
-                if group.replay_share
-                else 0.0,
-                "node": weights.node if one_node else 0.0,
+            values = (
+                weights.state * (-risk[d] + affinity[dev.model]),
+                weights.numa * (partners.get((dev.node, dev.numa_node), 0.0) if dev.numa_node >= 0 else 0.0),
+                weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0,
+                node_term,
                 # On probation after a degradation: placeable (it must prove itself), but last in line.
-                "probation": -weights.state if dev.health is DeviceHealth.PROBATION else 0.0,
-            }
-            score = sum(terms.values())
+                -weights.state if dev.health is DeviceHealth.PROBATION else 0.0,
+            )
+            score = sum(values)
             if best is None or score > best[0] + 1e-12:
-                best = (score, d, terms)
+                best = (score, d, values)
         if best is None:
             return None
-        _, d, terms = best
+        _, d, values = best
+        terms = dict(zip(_TERMS, values, strict=True))
         dev = inventory.devices[d]
         node = inventory.nodes.get(dev.node)
         cpus = node.cpus_for(dev.numa_node) if node else ()

@@ -35,6 +35,7 @@ class BreakerPass(Regime):
 
     def _attach_breakers(self, sim: Simulation) -> None:
         self.breakers: dict[int, Breaker] = {}
+        self._thresholds: dict[tuple[float | None, ...], tuple[PoolThresholds, float | None]] = {}
         self.closed = np.ones(sim.N, dtype=bool)  # no breaker yet, or its phase is CLOSED
         self.ring_len = self.breaker_config.min_samples + 2  # covers the breaker's window (inclusive bounds)
         self.ring_k = np.full(self.ring_len, -1, dtype=np.int64)
@@ -48,27 +49,33 @@ class BreakerPass(Regime):
 
     def _latency_floors(self, groups: np.ndarray, latency_ms: np.ndarray) -> dict[int, float | None]:
         """Cap safety per running group (``dsec.decide.safe_latency_floor``), its workers' latencies this sample."""
-        lat = latency_ms.reshape(self.sim.G, self.sim.n)
+        gs = groups.tolist()
+        rows = latency_ms.reshape(self.sim.G, self.sim.n)[groups].tolist()
+        min_peers, margin = self.fleet_config.min_peers, self.breaker_config.margin
         return {
-            int(g): safe_latency_floor(
-                lat[g].tolist(), self._caps(int(g)).latency_ms, self.fleet_config.min_peers, self.breaker_config.margin
-            )
-            for g in groups
+            g: safe_latency_floor(row, self._caps(g).latency_ms, min_peers, margin)
+            for g, row in zip(gs, rows, strict=True)
         }
 
     def _caps(self, g: int, latency_floor_ms: float | None = None) -> Caps:
         """The group's caps as the control plane computes them (``dsec.decide.caps_for``) from its pool's knobs,
         which policies may change; workers carry no per-worker cap overrides here."""
         pool = self.pool_names[g]
-        lat = self.knobs[(pool, "latency_cap_ms")]
-        bw = self.knobs[(pool, "bandwidth_cap_mbps")]
-        ceiling = self.knobs[(pool, "memory_ceiling_gb")]
-        default = PoolThresholds()
-        thresholds = PoolThresholds(
-            bandwidth_cap_mbps=float(bw) if bw is not None else default.bandwidth_cap_mbps,
-            latency_cap_ms=float(lat) if lat is not None else default.latency_cap_ms,
+        knobs = (
+            self.knobs[(pool, "latency_cap_ms")],
+            self.knobs[(pool, "bandwidth_cap_mbps")],
+            self.knobs[(pool, "memory_ceiling_gb")],
         )
-        ceiling_gb = None if ceiling is None else float(ceiling)
+        made = self._thresholds.get(knobs)
+        if made is None:  # built once per distinct knob values (policies change them rarely)
+            lat, bw, ceiling = knobs
+            default = PoolThresholds()
+            thresholds = PoolThresholds(
+                bandwidth_cap_mbps=float(bw) if bw is not None else default.bandwidth_cap_mbps,
+                latency_cap_ms=float(lat) if lat is not None else default.latency_cap_ms,
+            )
+            made = self._thresholds[knobs] = (thresholds, None if ceiling is None else float(ceiling))
+        thresholds, ceiling_gb = made
         return caps_for(thresholds, ceiling_gb, None, self.sc.dsec.memory_pressure_fraction, latency_floor_ms)
 
     def _breakers(self, k: int, t: float, run: np.ndarray, mem: np.ndarray, latency_ms: np.ndarray) -> None:
@@ -96,9 +103,10 @@ class BreakerPass(Regime):
             need = np.ones(len(run), dtype=bool)
         else:
             keep = 1.0 - self.breaker_config.margin
-            cap_bw = np.array([caps_of[int(g)].bandwidth_mbps for g in groups])
-            cap_lat = np.array([caps_of[int(g)].latency_ms for g in groups])
-            cap_mem = np.array([caps_of[int(g)].memory_gb or math.inf for g in groups])
+            per_group = np.zeros((3, sim.G))  # each group's caps, then each worker's from its group
+            for g, c in caps_of.items():
+                per_group[:, g] = (c.bandwidth_mbps, c.latency_ms, c.memory_gb or math.inf)
+            cap_bw, cap_lat, cap_mem = per_group[:, groups]
             calm = (bw < cap_bw * keep) & (lat < cap_lat * keep) & (m < cap_mem * keep)
             need = ~(calm & self.closed[run])
         for i in np.flatnonzero(need).tolist():

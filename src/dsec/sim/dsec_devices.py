@@ -25,6 +25,7 @@ class DeviceHealthPass(Regime):
     health_config: DeviceHealthConfig
     tracker: DeviceHealthTracker
     degraded: np.ndarray
+    probation: np.ndarray
     card_names: list[str]
     health_by_name: dict[str, DeviceHealth]
     pool_names: list[str]
@@ -57,15 +58,22 @@ class DeviceHealthPass(Regime):
                 slow |= {int(w) for w in slow_workers(report.outliers_by_worker())}
                 if self.reference:
                     judged |= {int(w) for w in judged_workers(samples, report, self.fleet_config)}
+        card_of_run = sim.slot_of[run] // lay.workers_per_gpu
         if not self.reference:
             # Fast path, exact: every worker of a running group reports both speed features, so a role's peer
             # count is its size and judged_workers() is every worker of a role with >= min_peers members (the
-            # reference mode computes it from the comparison; tests/unit/sim compares the two).
+            # reference mode computes it from the comparison; tests/unit/sim compares the two). And the tracker
+            # reads a healthy card's occupancy only for whether all its judged workers are slow, which needs a slow
+            # worker: occupancy is counted for the cards with a slow worker and the cards that are not healthy (an
+            # absent healthy card reads as one whose workers are not all slow, which it is).
+            keep = self.degraded[card_of_run] | self.probation[card_of_run]
+            if slow:
+                keep |= np.isin(card_of_run, card_of_run[np.isin(run, list(slow))])
+            run, card_of_run = run[keep], card_of_run[keep]
             min_peers = self.fleet_config.min_peers
             learners, actors = self.sc.groups.learners >= min_peers, self.sc.groups.actors >= min_peers
             judged = {w for w in run.tolist() if (learners if sim.is_learner[w] else actors)}
-        card_of_run = (sim.slot_of[run] // lay.workers_per_gpu).tolist()
-        placed = zip((self.card_names[c] for c in card_of_run), run.tolist(), strict=True)
+        placed = zip((self.card_names[c] for c in card_of_run.tolist()), run.tolist(), strict=True)
         for change in self.tracker.step(t, self.health_by_name, occupancy(placed, judged, slow)):
             c = self._card_index(change.device)
             self.set_card_health(c, change.after)
@@ -76,6 +84,7 @@ class DeviceHealthPass(Regime):
     def set_card_health(self, card: int, health: DeviceHealth) -> None:
         self.health_by_name[self.card_names[card]] = health
         self.degraded[card] = health is DeviceHealth.DEGRADED
+        self.probation[card] = health is DeviceHealth.PROBATION
 
     def _may_have_outliers(self, groups: np.ndarray, step_ms: np.ndarray, lat: np.ndarray) -> np.ndarray:
         """Which groups ``compare`` could flag anyone in (an exact pre-filter, vectorized over groups): an outlier's

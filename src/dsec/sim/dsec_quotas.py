@@ -5,6 +5,7 @@ above its quota or limit runs into (an OOM), and ``dsec.quota.plan`` per card fo
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING
 
@@ -99,8 +100,21 @@ class QuotaPass(Regime):
         ws_all, card_d = run[sel], card[sel]
         order = np.argsort(card_d, kind="stable")
         ws_all, card_d = ws_all[order], card_d[order]
-        for ws in np.split(ws_all, np.flatnonzero(np.diff(card_d)) + 1) if len(ws_all) else []:
-            self._plan_card(ws, mem, burst_now)
+        if len(ws_all):
+            # The plans' inputs as Python values, converted once for all cards (a plan changes only its own
+            # card's workers, so reading them all up front reads what each plan would have read).
+            cols = (
+                ws_all.tolist(),
+                mem[ws_all].tolist(),
+                self.quota[ws_all].tolist(),
+                self.trend[2][ws_all].tolist(),
+                self.trend[3][ws_all].tolist(),
+                self.limit[ws_all].tolist(),
+                burst_now[ws_all].tolist(),
+            )
+            bounds = [0, *(np.flatnonzero(np.diff(card_d)) + 1).tolist(), len(ws_all)]
+            for lo, hi in itertools.pairwise(bounds):
+                self._plan_card(*(c[lo:hi] for c in cols))
         self.plan_mem[run] = mem[run]
         self.plan_quota[run] = inputs
         self.plan_limit[run] = limits_in
@@ -110,10 +124,19 @@ class QuotaPass(Regime):
         self.plan_slot[run] = sim.slot_of[run]
         self.plan_count = counts
 
-    def _plan_card(self, ws: np.ndarray, mem: np.ndarray, burst_now: np.ndarray) -> None:
-        """``dsec.quota.plan`` for the workers ``ws`` of one card; its quota and limit changes take effect."""
+    def _plan_card(
+        self,
+        ws: list[int],
+        mem: list[float],
+        quota: list[float],
+        ramp: list[float],
+        peak: list[float],
+        limit: list[float],
+        burst: list[bool],
+    ) -> None:
+        """``dsec.quota.plan`` for the workers ``ws`` of one card (their inputs alongside); its quota and limit
+        changes take effect."""
         limits_on = self.sc.dsec.quota_limits
-        ramp, peak = self.trend[2], self.trend[3]
         cap = self.sc.cluster.gpu_memory_gb
         # Pools share a card; the memory knobs of the first worker's pool apply (they differ only if a policy
         # changed one pool's base or ceiling, which the example policies do not).
@@ -122,13 +145,13 @@ class QuotaPass(Regime):
         ceiling = float(self.knobs[(pool, "memory_ceiling_gb")] or base)
         members = [
             WorkerMemory(
-                str(int(w)), float(mem[w]), float(self.quota[w]),
-                ramp_gb_per_s=float(ramp[w]) if limits_on else 0.0,
-                recent_peak_gb=float(peak[w]) if limits_on else None,
-                limit_gb=None if math.isnan(self.limit[w]) else float(self.limit[w]),
-                bursting=bool(burst_now[w]),
+                str(w), m, q,
+                ramp_gb_per_s=r if limits_on else 0.0,
+                recent_peak_gb=p if limits_on else None,
+                limit_gb=None if math.isnan(lim) else lim,
+                bursting=b,
             )
-            for w in ws
+            for w, m, q, r, p, lim, b in zip(ws, mem, quota, ramp, peak, limit, burst, strict=True)
         ]  # fmt: skip
         result = plan(cap, base, ceiling, members, self.quota_config, device_gb=cap)
         for wid, q in result.changes.items():

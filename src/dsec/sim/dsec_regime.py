@@ -83,6 +83,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.last_recovery = np.full(sim.G, math.nan)
         self.recovering_until = np.full(sim.G, -math.inf)
         self.degraded = np.zeros(lay.cards, dtype=bool)  # placement excludes these (dsec.scheduler.place does too)
+        self.probation = np.zeros(lay.cards, dtype=bool)  # on probation after a degradation
         self.card_names = [lay.card_name(c) for c in range(lay.cards)]
         self.health_by_name = dict.fromkeys(self.card_names, DeviceHealth.HEALTHY)
         self.tracker = DeviceHealthTracker(self.health_config)
