@@ -22,6 +22,10 @@ PEAK_HOLD_S = 60.0
 BURST_RAMP_GB_PER_S = 0.05
 #: A burst builds, then holds (minutes): its room past the ceiling lasts this long after its last steep reading.
 BURST_HOLD_S = 300.0
+#: A smoothed ramp below this is none (3.6 MB/h, far below a leak worth noticing): smoothing halves a ramp at each
+#: flat reading after a burst, so without a floor it would never reach 0 and every quota plan's inputs would keep
+#: changing (the simulator plans again only the cards whose inputs changed; at 10,000 workers that was every card).
+RAMP_FLOOR_GB_PER_S = 1e-6
 #: Readings closer than this are not used for a ramp (two beats in one instant say nothing about a rate).
 MIN_DT_S = 0.5
 
@@ -73,6 +77,7 @@ def observe_arrays(
     fresh = dt >= MIN_DT_S
     rate = np.maximum(0.0, (np.asarray(new_used, dtype=float) - used) / np.where(fresh, dt, 1.0))
     new_ramp = np.where(fresh, RAMP_WEIGHT * rate + (1 - RAMP_WEIGHT) * np.asarray(ramp, dtype=float), ramp)
+    new_ramp = np.where(new_ramp < RAMP_FLOOR_GB_PER_S, 0.0, new_ramp)
     reset = (np.asarray(new_used) >= peak) | (fresh & (now - np.asarray(peak_t, dtype=float) > hold_s))
     return (
         np.where(fresh, now, t),

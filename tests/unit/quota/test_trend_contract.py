@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import math
 
-from dsec.quota.trend import BURST_HOLD_S, BURST_RAMP_GB_PER_S, MIN_DT_S, PEAK_HOLD_S, MemoryTrend
+from dsec.quota.trend import (
+    BURST_HOLD_S,
+    BURST_RAMP_GB_PER_S,
+    MIN_DT_S,
+    PEAK_HOLD_S,
+    RAMP_FLOOR_GB_PER_S,
+    MemoryTrend,
+)
 
 
 def test_the_first_reading_is_its_own_peak_now() -> None:
@@ -43,3 +50,24 @@ def test_observe_passes_its_hold_and_keeps_the_burst_time() -> None:
     trend = MemoryTrend(0.0, 5.0, peak_gb=5.0, peak_t=0.0, burst_t=-7.0)
     short = trend.observe(1.0, 20.0, hold_s=10.0)
     assert (short.peak_gb, short.peak_t, short.burst_t) == (1.0, 20.0, -7.0)
+
+
+def test_a_ramp_decays_to_exactly_zero_after_a_burst() -> None:
+    # A burst's ramp, then flat usage: the smoothing halves the ramp at each reading; below the floor it is none, so
+    # a plan's inputs stop changing (without the floor it never reaches 0).
+    trend = MemoryTrend.first(7.0, 0.0).observe(9.0, 10.0)
+    assert trend.ramp_gb_per_s == 0.1
+    ramps = []
+    for k in range(2, 40):
+        trend = trend.observe(9.0, 10.0 * k)
+        ramps.append(trend.ramp_gb_per_s)
+    assert ramps[-1] == 0.0 and ramps.index(0.0) == 16  # ramps[i] = 0.1 / 2**(i + 1): 0.1 / 2**17 < 1e-6
+    assert all(r >= RAMP_FLOOR_GB_PER_S for r in ramps[:16])
+
+
+def test_a_slow_leak_keeps_its_ramp() -> None:
+    # 1.5 GB/h (a leaking card in the simulator) is far above the floor: it stays a ramp.
+    trend = MemoryTrend.first(7.0, 0.0)
+    for k in range(1, 30):
+        trend = trend.observe(7.0 + 1.5 * 10.0 * k / 3600.0, 10.0 * k)
+    assert math.isclose(trend.ramp_gb_per_s, 1.5 / 3600.0, rel_tol=1e-6)
