@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from dsec.breaker import Caps, Sample
 from dsec.model import DirectiveFields, PoolThresholds
 
@@ -52,12 +54,22 @@ def safe_latency_floor(
     per-worker sync costs (at least ``min_peers`` reporting) is over that, most of the pool can never recover: the
     lateness is the pool's network or backend, which no worker's degradation fixes. The cap in force then becomes
     ``SAFE_CAP_HEADROOM`` x that median — a worker at the median is calm, one much slower than its peers is still
-    degraded. None when the cap is safe."""
-    values = sorted(c for c in costs if c is not None and math.isfinite(c))
-    if len(values) < min_peers:
-        return None
-    median = values[(len(values) - 1) // 2]
-    return median * SAFE_CAP_HEADROOM if median > cap_ms * (1.0 - margin) else None
+    degraded. None when the cap is safe. (One pool's row of :func:`safe_latency_floors`.)"""
+    row = np.array([[math.nan if c is None else float(c) for c in costs]], dtype=float).reshape(1, -1)
+    floor = float(safe_latency_floors(row, np.array([float(cap_ms)]), min_peers, margin)[0])
+    return None if math.isnan(floor) else floor
+
+
+def safe_latency_floors(costs: np.ndarray, cap_ms: np.ndarray, min_peers: int, margin: float = 0.2) -> np.ndarray:
+    """:func:`safe_latency_floor` for each row of ``costs`` (a pool's workers; NaN or infinite: not reporting)
+    against its ``cap_ms``: the floor, NaN where the cap is safe (the simulator's thousands of groups at once). The
+    lower median of a row's finite costs is the ``(n - 1) // 2``-th smallest."""
+    finite = np.isfinite(costs)
+    count = finite.sum(axis=1)
+    ordered = np.sort(np.where(finite, costs, np.inf), axis=1)
+    median = np.take_along_axis(ordered, np.maximum((count - 1) // 2, 0)[:, None], axis=1)[:, 0]
+    unsafe = (count >= max(min_peers, 1)) & (median > cap_ms * (1.0 - margin))
+    return np.where(unsafe, median * SAFE_CAP_HEADROOM, np.nan)
 
 
 def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:

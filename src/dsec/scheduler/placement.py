@@ -286,7 +286,7 @@ def _place_group(
                 continue
             if dev.model not in affinity:
                 affinity[dev.model] = profiles.worker_model_affinity(key, dev.model)
-            values = (
+            values: tuple[float, ...] = (
                 weights.state * (-risk[d] + affinity[dev.model]),
                 weights.numa * (partners.get((dev.node, dev.numa_node), 0.0) if dev.numa_node >= 0 else 0.0),
                 weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0,

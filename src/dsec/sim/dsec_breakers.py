@@ -1,8 +1,8 @@
 """DSec's per-worker breakers in the simulator.
 
 One sample per running worker into its breaker (``dsec.breaker``) with the caps the control plane would compute
-(``dsec.decide.caps_for``, ``dsec.decide.safe_latency_floor``); a decision's directive (``dsec.decide.breaker_step``)
-changes what the simulated worker sends from the next sample on."""
+(``dsec.decide.caps_for``, ``dsec.decide.caps.safe_latency_floors``); a decision's directive
+(``dsec.decide.breaker_step``) changes what the simulated worker sends from the next sample on."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dsec.breaker import Action, Breaker, BreakerConfig, Caps, Phase, Sample
-from dsec.decide import breaker_step, caps_for, safe_latency_floor
+from dsec.decide import breaker_step, caps_for
+from dsec.decide.caps import safe_latency_floors
 from dsec.health.fleet import FleetConfig
 from dsec.model import PoolThresholds
 from dsec.sim.regimes import Regime
@@ -47,15 +48,15 @@ class BreakerPass(Regime):
         self.valid_from = np.zeros(sim.N, dtype=np.int64)
         self.version = np.zeros(sim.N, dtype=np.int64)
 
-    def _latency_floors(self, groups: np.ndarray, latency_ms: np.ndarray) -> dict[int, float | None]:
-        """Cap safety per running group (``dsec.decide.safe_latency_floor``), its workers' latencies this sample."""
+    def _caps_in_force(self, groups: np.ndarray, latency_ms: np.ndarray) -> dict[int, Caps]:
+        """Each running group's caps, with cap safety (``dsec.decide.caps.safe_latency_floors``) from its workers'
+        latencies this sample."""
         gs = groups.tolist()
-        rows = latency_ms.reshape(self.sim.G, self.sim.n)[groups].tolist()
-        min_peers, margin = self.fleet_config.min_peers, self.breaker_config.margin
-        return {
-            g: safe_latency_floor(row, self._caps(g).latency_ms, min_peers, margin)
-            for g, row in zip(gs, rows, strict=True)
-        }
+        plain = {g: self._caps(g) for g in gs}
+        rows = latency_ms.reshape(self.sim.G, self.sim.n)[groups]
+        caps = np.array([plain[g].latency_ms for g in gs])
+        floors = safe_latency_floors(rows, caps, self.fleet_config.min_peers, self.breaker_config.margin)
+        return {g: plain[g] if math.isnan(f) else self._caps(g, f) for g, f in zip(gs, floors.tolist(), strict=True)}
 
     def _caps(self, g: int, latency_floor_ms: float | None = None) -> Caps:
         """The group's caps as the control plane computes them (``dsec.decide.caps_for``) from its pool's knobs,
@@ -97,8 +98,7 @@ class BreakerPass(Regime):
         self.ring_run[slot] = False
         self.ring_run[slot, run] = True
         self.ring_bw[slot, run], self.ring_lat[slot, run], self.ring_mem[slot, run] = bw, lat, m
-        floors = self._latency_floors(np.unique(groups), latency_ms)
-        caps_of = {g: self._caps(g, floor) for g, floor in floors.items()}
+        caps_of = self._caps_in_force(np.unique(groups), latency_ms)
         if self.reference:
             need = np.ones(len(run), dtype=bool)
         else:

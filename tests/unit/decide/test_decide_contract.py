@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from dsec.breaker import Action, Breaker, Caps, Phase, Transition, Trigger
@@ -28,7 +29,7 @@ from dsec.decide import (
     slow_workers,
 )
 from dsec.decide.beat import BreakerMove, breaker_events
-from dsec.decide.caps import finite, sample_from
+from dsec.decide.caps import finite, safe_latency_floors, sample_from
 from dsec.decide.fleet import features, judged_workers
 from dsec.decide.gauges import pool_gauges_of, pool_recovery_s, sync_success, utilization
 from dsec.decide.quotas import precision_restore
@@ -588,3 +589,19 @@ def test_a_pool_of_exactly_the_minimum_peers_can_be_slow_and_counts_only_workers
     (alert,) = [e for e in v.events if e.type is EventType.ALERT]
     n = cfg.min_peers
     assert alert.data["summary"] == f"median sync cost 80.0 ms over the pool's cap 50 ms on {n - 1}/{n} workers"
+
+
+def test_latency_floors_over_many_pools_are_the_rule_per_pool() -> None:
+    # The rule written out plainly (the lower median of the finite costs; floor 1.5 x it when over cap x (1 -
+    # margin)), against the array form on random pools with missing, infinite and tied costs: equal exactly.
+    rng = np.random.default_rng(5)
+    costs = rng.choice([30.0, 40.0, 41.0, 45.0, 60.0, 90.0, np.nan, np.inf, -np.inf], size=(400, 7))
+    caps = rng.choice([40.0, 50.0, 85.0], size=400)
+    floors = safe_latency_floors(costs, caps, min_peers=3, margin=0.2)
+    for row, cap, got in zip(costs.tolist(), caps.tolist(), floors.tolist(), strict=True):
+        values = sorted(c for c in row if math.isfinite(c))
+        median = values[(len(values) - 1) // 2] if len(values) >= 3 else None
+        want = median * 1.5 if median is not None and median > cap * 0.8 else None
+        assert (None if math.isnan(got) else got) == want
+        assert safe_latency_floor([None if math.isnan(c) else c for c in row], cap, 3, 0.2) == want
+    assert np.isnan(floors).sum() not in (0, 400)  # both outcomes occur
