@@ -56,6 +56,7 @@ Last stdout line: one JSON object. Exit status 1 when a run failed (its ``error`
 interrupted (Ctrl-C, SIGTERM); every process and server the benchmark started is stopped either way.
 
     python benchmarks/chaos_real.py [--duration 75] [--seed 1] [--quick] [--warm]
+    python benchmarks/chaos_real.py --scenario bandwidth [--rate-mbit 2] [--duration 60]   # a real slow link
 """
 
 from __future__ import annotations
@@ -278,15 +279,15 @@ class Recorder:
 
 # -- a real control plane: `dsec serve` in its own process group ---------------------------------------------
 class ControlPlane:
-    def __init__(self, home: Path, log_path: Path, startup_timeout_s: float = 60.0) -> None:
+    def __init__(self, home: Path, log_path: Path, startup_timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
         from dsec.control.server import free_port
 
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
         env["DSEC_ADMIN_TOKEN"] = ADMIN
-        cmd = [str(DSEC), "serve", "--host", "127.0.0.1", "--port", str(self.port), "--home", str(home),
+        cmd = [str(DSEC), "serve", "--host", host, "--port", str(self.port), "--home", str(home),
                "--log-level", "warning"]  # fmt: skip
         with open(log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
@@ -773,7 +774,15 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--scenario"] and argv[1:2] == ["bandwidth"]:
+        # A real rate-limited link between ranks (network namespaces + tbf): its own options, see its docstring.
+        from chaos_bandwidth import main as bandwidth
+
+        return bandwidth(argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", choices=("faults", "bandwidth"), default="faults",
+                    help="faults (this docstring) or bandwidth (chaos_bandwidth.py; give it first)")  # fmt: skip
     ap.add_argument("--duration", type=float, default=75.0, help="training seconds per run (from training start)")
     ap.add_argument("--seed", type=int, default=1, help="the example's seed and the straggler delays' draw")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (--duration 30)")
