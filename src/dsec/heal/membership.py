@@ -261,7 +261,10 @@ class Group:
             self.admits.clear()
             return [{"what": "admission_void", "epoch": self.epoch}]
         q = points.pop()
-        self.joins = {r: replace(self.members[r], completed=q) for r in live}
+        # Every member is at the agreed point, about to run the same collective: no one is blocked anywhere. The
+        # `pending` kept from the epoch's own forming is stale (a member that was one behind then was blocked at
+        # another collective than the source) and would read as a divergence.
+        self.joins = {r: replace(self.members[r], completed=q, pending=None) for r in live}
         for r, j in self.joiners.items():
             self.joins[r] = replace(j, completed=q)
         joiners = tuple(sorted(self.joiners))

@@ -78,6 +78,21 @@ def test_a_replacement_waits_then_is_admitted_when_every_member_reached_the_poin
     assert g.members[1].incarnation == "p1-new"
 
 
+def test_an_admission_after_a_member_was_behind_is_no_divergence() -> None:
+    # At the failure rank 2 was one behind, blocked at another collective than the source (it receives the source's
+    # result). The admission that follows finds every member at the same agreed point: no divergence (the stale
+    # pending of the failure read as one, and failed every rank of a healed group; seen in test_heal).
+    g = _started(3)
+    g.fail(1, now=1.0, dead_rank=1)
+    g.join(_join(0, completed=244, epoch=1, pending="grad"), now=1.0)
+    failure = _formed(g.join(_join(2, completed=243, epoch=1, pending="all_reduce:float32:max"), now=1.0))
+    assert failure.behind == (2,) and not failure.diverged
+    g.join(_join(1, inc="p1-new", replacement=True), now=2.0)
+    g.admit(0, "p0", epoch=2, completed=316, now=3.0)
+    plan = _formed(g.admit(2, "p2", epoch=2, completed=316, now=3.0))
+    assert plan.reason == "admission" and plan.joiners == (1,) and not plan.diverged
+
+
 def test_a_failure_during_admission_turns_it_into_a_reconfiguration() -> None:
     g = _started(3)
     g.fail(1, now=1.0, dead_rank=1)
