@@ -243,7 +243,9 @@ def test_a_killed_actor_is_a_lost_worker_and_takes_its_command_along(launcher: R
 
 
 def test_a_group_that_cannot_be_placed_raises_naming_it(cluster: FakeCluster) -> None:
-    lau = RayLauncher(pg_timeout_s=1.0)
+    # Placement gives up after 1 s; the placeable group's actors may take longer to start on a busy machine (they
+    # once took more than 1 s in a full run, and the test failed on the wrong group).
+    lau = RayLauncher(pg_timeout_s=1.0, start_timeout_s=60.0)
     try:
         ok = WorkerLaunch("ok", "fine", "learner", 0, 1, (sys.executable, "-c", SLEEP.format(s=30)), node="node-0")
         lost = WorkerLaunch(

@@ -85,10 +85,14 @@ class RayLauncher:
         grace_s: float = 0.0,
         gpus: GpuMode = "auto",
         local_cpus: int = 64,
+        start_timeout_s: float | None = None,
     ) -> None:
         import ray
 
         self.pg_timeout_s = pg_timeout_s
+        # A placed group's actors starting (a process each, imports included): slower than placement on a busy
+        # machine; the placement wait by default.
+        self.start_timeout_s = pg_timeout_s if start_timeout_s is None else start_timeout_s
         self.grace_s = grace_s
         self.namespace = namespace
         self.gpus = gpus
@@ -171,10 +175,14 @@ class RayLauncher:
             extra, unset = self._rendezvous(out.workers) if strategy == "PACK" and not self._local else ({}, [])
             for r in out.workers:
                 r.run_ref = r.actor.run.remote(extra, unset)
-            infos = ray.get([r.actor.info.remote(self.pg_timeout_s) for r in out.workers], timeout=self.pg_timeout_s)
+            infos = ray.get(
+                [r.actor.info.remote(self.start_timeout_s) for r in out.workers], timeout=self.start_timeout_s
+            )
         except Exception as e:  # GetTimeoutError, ActorDiedError (its node went away meanwhile), ...
             self._teardown(out)
-            raise RuntimeError(f"group {group!r}: its actors did not start within {self.pg_timeout_s:g} s: {e}") from e
+            raise RuntimeError(
+                f"group {group!r}: its actors did not start within {self.start_timeout_s:g} s: {e}"
+            ) from e
         except BaseException:
             self._teardown(out)
             raise
@@ -188,7 +196,7 @@ class RayLauncher:
         """Rank 0's address for a group whose actors landed on several hosts (see ray_cluster.rendezvous)."""
         import ray
 
-        ips = ray.get([r.actor.node_ip.remote() for r in workers], timeout=self.pg_timeout_s)
+        ips = ray.get([r.actor.node_ip.remote() for r in workers], timeout=self.start_timeout_s)
         rank0 = next(ip for r, ip in zip(workers, ips, strict=True) if r.launch.rank == 0)
         return rendezvous(workers[0].launch.env, rank0, set(ips))
 
