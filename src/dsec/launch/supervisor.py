@@ -286,6 +286,9 @@ class Supervisor:
         self, group: str, worker: str, code: int | None, reason: str, detected_at: float, detect_s: float
     ) -> None:
         rec = Recovery(group, worker, code, reason, detected_at, detect_s)
+        # Said in the log: a whole-group restart rolls every rank back to its snapshots (one that happened silently
+        # after a heal was hard to explain from a test's output).
+        log.warning("group %s restarts from its snapshots: %s (%s, code %s)", group, reason, worker, code)
         self._restarted.add(group)
         self.launcher.stop_group(group)
         self._live.pop(group, None)
