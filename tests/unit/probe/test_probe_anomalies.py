@@ -4,22 +4,16 @@ collective's error (a healing Diverged, a gloo timeout) behind one of DSec's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from dsec.probe.config import ProbeConfig
 from dsec.probe.runtime import Probe
 
 
 @pytest.fixture
-def probe() -> Iterator[Probe]:
-    cfg = ProbeConfig.from_env({"DSEC_ENDPOINT": "http://127.0.0.1:9", "DSEC_SANDBOX_ID": "p"})
-    assert cfg is not None
-    p = Probe(cfg)  # never registers: nothing listens on port 9
-    yield p
-    p.close()
+def probe(offline_probe: Probe) -> Probe:
+    return offline_probe
 
 
 def test_each_failure_the_telemetry_sees_is_one_anomaly_event(probe: Probe, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,11 +4,8 @@ does not either (the process did not finish)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from dsec.probe.config import ProbeConfig
 from dsec.probe.runtime import Probe
 
 
@@ -23,13 +20,8 @@ class HealingMember:
 
 
 @pytest.fixture
-def probe() -> Iterator[Probe]:
-    cfg = ProbeConfig.from_env({"DSEC_ENDPOINT": "http://127.0.0.1:9", "DSEC_SANDBOX_ID": "p"})
-    assert cfg is not None
-    p = Probe(cfg)  # never registers: nothing listens on port 9
-    yield p
-    p.healing = None
-    p.close()
+def probe(offline_probe: Probe) -> Probe:
+    return offline_probe
 
 
 @pytest.mark.parametrize(("reason", "closed"), [("exit", [True]), ("error", [False]), ("sigterm", [])])
