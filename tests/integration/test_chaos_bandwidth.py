@@ -6,6 +6,7 @@ link, which then trains faster than the unmodified job."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +20,10 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 from chaos_bandwidth import LimitedLink, Unavailable  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None, reason="no iproute2 here"),
+]
 
 
 def namespaces() -> str:
