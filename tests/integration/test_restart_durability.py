@@ -180,9 +180,11 @@ def test_silent_worker_becomes_lost_and_rejoins(server_factory: Factory, tmp_pat
 
 def test_worker_that_keeps_beating_is_never_lost(server_factory: Factory, tmp_path: Any) -> None:
     h = server_factory(settings=make_settings(tmp_path / "steady", lost_after_beats=3), pools=True)
-    w = h.register("pool-a", heartbeat_interval_s=0.25)  # lost after 0.75 s of silence
+    # Lost after 1.5 s of silence; it beats every 50 ms for 2 s. (With 0.25 s beats, 0.75 s, a full run on a busy
+    # machine once saw it lost: a stall of the test's client, the server or its store's commit; not told apart.)
+    w = h.register("pool-a", heartbeat_interval_s=0.5)
     with Client(h.url, token=w.token) as c:
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 2.0
         seq = 0
         while time.monotonic() < deadline:
             seq += 1
