@@ -16,6 +16,7 @@ from dsec.decide import breaker_step, caps_for
 from dsec.decide.caps import safe_latency_floors
 from dsec.health.fleet import FleetConfig
 from dsec.model import PoolThresholds
+from dsec.quota.relief import RELIEF_ACCUM_STEPS
 from dsec.sim.regimes import Regime
 from dsec.sim.scenario import Scenario
 
@@ -47,6 +48,8 @@ class BreakerPass(Regime):
         self.fed_k = np.full(sim.N, -1, dtype=np.int64)
         self.valid_from = np.zeros(sim.N, dtype=np.int64)
         self.version = np.zeros(sim.N, dtype=np.int64)
+        self.breaker_accum = np.ones(sim.N)  # what the breaker's last directive asked (memory relief may ask more)
+        self.relieved = np.zeros(sim.N, dtype=bool)  # accumulating for memory relief (dsec.quota.relief)
 
     def _caps_in_force(self, groups: np.ndarray, latency_ms: np.ndarray) -> dict[int, Caps]:
         """Each running group's caps, with cap safety (``dsec.decide.caps.safe_latency_floors``) from its workers'
@@ -152,5 +155,7 @@ class BreakerPass(Regime):
         sim = self.sim
         bits = fields.get("compression_bits")  # None: the probe's default, uncompressed here
         sim.bits_frac[w] = 1.0 if bits is None or bits >= 32 else bits / 32.0
-        sim.accum[w] = float(fields["grad_accum_steps"])
+        # The larger of the breaker's accumulation and memory relief's (dsec.quota.relief), when relief holds it.
+        self.breaker_accum[w] = float(fields["grad_accum_steps"])
+        sim.accum[w] = max(self.breaker_accum[w], RELIEF_ACCUM_STEPS if self.relieved[w] else 1.0)
         sim.paused[w] = not fields["async_sampling"]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
+from dsec.quota.relief import RELIEF_ACCUM_STEPS, CardWorker, relief
 from dsec.quota.trend import bursting, observe_arrays
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
@@ -28,6 +29,8 @@ class QuotaPass(Regime):
     quota_config: QuotaConfig
     knobs: dict[tuple[str, str], float | None]
     pool_names: list[str]
+    breaker_accum: np.ndarray
+    relieved: np.ndarray
 
     def _attach_quotas(self, sim: Simulation) -> None:
         sc, lay = self.sc, sim.layout
@@ -160,3 +163,39 @@ class QuotaPass(Regime):
             self.limit[int(wid)] = math.nan if lim is None else lim
         self.counts["quota_changes"] += len(result.changes)
         self.counts["limit_changes"] += len(result.limit_changes)
+
+    def _relief(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        """``dsec.quota.relief`` for the cards that may overflow (a vectorized pre-filter, loose by a rounding
+        margin: the rule checks again) and the cards holding a relieved worker; its decisions take effect at once
+        (the next sample's memory)."""
+        sim = self.sim
+        cap = self.sc.cluster.gpu_memory_gb
+        horizon = self.quota_config.ramp_horizon_s
+        ramp = self.trend[2]
+        card = sim.slot_of[run] // sim.layout.workers_per_gpu
+        projected = np.bincount(card, weights=mem[run] + ramp[run] * horizon, minlength=sim.layout.cards)
+        look = projected > cap - 1e-6
+        look[card[self.relieved[run]]] = True
+        if not look.any():
+            return
+        burst = bursting(self.trend[5], t)
+        for c in np.flatnonzero(look).tolist():
+            ws = run[card == c].tolist()
+            out = relief(
+                cap,
+                [
+                    CardWorker(str(w), float(mem[w]), float(ramp[w]), bool(sim.accum[w] > 1), bool(self.relieved[w]),
+                               bool(burst[w]))
+                    for w in ws
+                ],
+                horizon,
+            )  # fmt: skip
+            for wid in out.relieve:
+                w = int(wid)
+                self.relieved[w] = True
+                sim.accum[w] = max(self.breaker_accum[w], RELIEF_ACCUM_STEPS)
+            for wid in out.release:
+                w = int(wid)
+                self.relieved[w] = False
+                sim.accum[w] = self.breaker_accum[w]
+            self.counts["memory_relief"] += len(out.relieve)

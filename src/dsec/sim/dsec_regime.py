@@ -136,6 +136,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.fed_k[w] = -1
         self.valid_from[w] = int(sim.now // self.sc.sample_interval_s) + 1  # samples of the old process: gone
         sim.bits_frac[w], sim.accum[w], sim.paused[w] = 1.0, 1.0, False
+        self.breaker_accum[w], self.relieved[w] = 1.0, False
         self.quota[w] = self.knobs[(self.pool_names[int(sim.group_of[w])], "memory_base_gb")] or 0.0
         self.limit[w] = math.nan
         for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf, -math.inf), strict=True):
@@ -151,6 +152,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             if self.sc.dsec.quotas:
                 self._observe_trends(t, run, mem)
                 self._quotas(t, run, mem)
+                if self.sc.dsec.memory_relief:
+                    self._relief(t, run, mem)
             if self.sc.dsec.breaker:
                 self._breakers(k, t, run, mem, latency_ms)
         if self.sc.dsec.device_health:

@@ -137,6 +137,9 @@ class Dsec(_Strict):
     # first design — the allocator capped at the grant, grown one step per plan — kept to measure against.
     quota_limits: bool = True
     device_health: bool = True
+    # A design study, not what the control plane does yet (dsec.quota.relief): accumulation for the steepest-ramping
+    # worker of a card whose projected usage overflows it, until its burst is over.
+    memory_relief: bool = False
 
 
 class Efficiency(_Strict):

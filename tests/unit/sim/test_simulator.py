@@ -446,3 +446,22 @@ def test_quota_limits_let_a_burst_use_free_memory_the_first_design_failed_it() -
         ooms[name] = sum(1 for i in outcome.interruptions if i.cause == "oom")
     assert ooms["first design"] > 0
     assert ooms["limits"] <= ooms["no quotas"] < ooms["first design"]
+
+
+def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_ooms() -> None:
+    # Four workers of 14 GB per 64 GB card, 6 GB bursts ramping over 30 s, 6 an hour each: two bursts at once fill a
+    # card. The design study (dsec.quota.relief): accumulation for the steepest-ramping worker once the card's
+    # projection overflows; under accumulation a burst is half as large (the scenario's assumption).
+    busy = {
+        **QUIET,
+        "duration_h": 2.0,
+        "cluster": {**QUIET["cluster"], "gpu_memory_gb": 64},
+        "groups": {**QUIET["groups"], "memory": {"base_gb": 14, "burst_per_h": 6, "burst_gb": 6, "burst_ramp_s": 30}},
+    }
+    ooms = {}
+    for relief in (False, True):
+        _, o = run_one(small(**busy, dsec={"memory_relief": relief}), "dsec")
+        ooms[relief] = sum(1 for i in o.interruptions if i.cause == "oom")
+        if relief:
+            assert o.decisions.get("memory_relief", 0) > 0
+    assert ooms[False] > 0 and ooms[True] < ooms[False], ooms
