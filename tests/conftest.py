@@ -308,3 +308,18 @@ def http_receiver(handle: HttpHandler, path: str = "/hook") -> Iterator[str]:
         server.server_close()
         thread.join(5)
         assert not thread.is_alive()
+
+
+@pytest.fixture
+def offline_probe() -> Iterator[Any]:
+    """A probe whose control plane is unreachable (nothing listens on port 9): it never registers. (Here, not in a
+    conftest.py of its own: tests import this module as ``conftest``, and a second one would shadow it.)"""
+    from dsec.probe.config import ProbeConfig
+    from dsec.probe.runtime import Probe
+
+    cfg = ProbeConfig.from_env({"DSEC_ENDPOINT": "http://127.0.0.1:9", "DSEC_SANDBOX_ID": "p"})
+    assert cfg is not None
+    p = Probe(cfg)
+    yield p
+    p.healing = None  # a test's stand-in is not closed again
+    p.close()
