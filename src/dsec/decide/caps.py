@@ -55,7 +55,7 @@ def safe_latency_floor(
     lateness is the pool's network or backend, which no worker's degradation fixes. The cap in force then becomes
     ``SAFE_CAP_HEADROOM`` x that median — a worker at the median is calm, one much slower than its peers is still
     degraded. None when the cap is safe. (One pool's row of :func:`safe_latency_floors`.)"""
-    row = np.array([[math.nan if c is None else float(c) for c in costs]], dtype=float).reshape(1, -1)
+    row = np.array([[math.nan if c is None else float(c) for c in costs]], dtype=float)
     floor = float(safe_latency_floors(row, np.array([float(cap_ms)]), min_peers, margin)[0])
     return None if math.isnan(floor) else floor
 

@@ -96,6 +96,7 @@ class WorkerMemory:
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError(f"worker_id={self.worker_id!r} is invalid: expected a non-empty worker id")
+        context = f" for worker {self.worker_id!r}"
         for name, value in (
             ("used_gb", self.used_gb),
             ("quota_gb", self.quota_gb),
@@ -107,8 +108,7 @@ class WorkerMemory:
             # None is "not reported / not set" for every field but quota_gb and ramp_gb_per_s, which it fails.
             if value is None and name not in ("quota_gb", "ramp_gb_per_s"):
                 continue
-            if type(value) is not float or not 0.0 <= value < math.inf:  # else: a finite float >= 0, valid
-                _check_nonneg(name, value, f" for worker {self.worker_id!r}")
+            _check_nonneg(name, value, context)
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,11 @@ class BreakerPass(Regime):
         sim = self.sim
         bits = fields.get("compression_bits")  # None: the probe's default, uncompressed here
         sim.bits_frac[w] = 1.0 if bits is None or bits >= 32 else bits / 32.0
-        # The larger of the breaker's accumulation and memory relief's (dsec.quota.relief), when relief holds it.
         self.breaker_accum[w] = float(fields["grad_accum_steps"])
-        sim.accum[w] = max(self.breaker_accum[w], RELIEF_ACCUM_STEPS if self.relieved[w] else 1.0)
+        self._set_accum(w)
         sim.paused[w] = not fields["async_sampling"]
+
+    def _set_accum(self, w: int) -> None:
+        """Worker ``w``'s accumulation: the larger of the breaker's and memory relief's (dsec.quota.relief), while
+        relief holds it."""
+        self.sim.accum[w] = max(self.breaker_accum[w], RELIEF_ACCUM_STEPS if self.relieved[w] else 1.0)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
-from dsec.quota.relief import RELIEF_ACCUM_STEPS, CardWorker, relief
+from dsec.quota.relief import CardWorker, relief
 from dsec.quota.trend import bursting, observe_arrays
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
@@ -29,8 +30,8 @@ class QuotaPass(Regime):
     quota_config: QuotaConfig
     knobs: dict[tuple[str, str], float | None]
     pool_names: list[str]
-    breaker_accum: np.ndarray
     relieved: np.ndarray
+    _set_accum: Callable[[int], None]  # BreakerPass's: the breaker's and relief's accumulation merged
 
     def _attach_quotas(self, sim: Simulation) -> None:
         sc, lay = self.sc, sim.layout
@@ -190,12 +191,7 @@ class QuotaPass(Regime):
                 ],
                 horizon,
             )  # fmt: skip
-            for wid in out.relieve:
-                w = int(wid)
-                self.relieved[w] = True
-                sim.accum[w] = max(self.breaker_accum[w], RELIEF_ACCUM_STEPS)
-            for wid in out.release:
-                w = int(wid)
-                self.relieved[w] = False
-                sim.accum[w] = self.breaker_accum[w]
+            for wid, held in [(x, True) for x in out.relieve] + [(x, False) for x in out.release]:
+                self.relieved[int(wid)] = held
+                self._set_accum(int(wid))
             self.counts["memory_relief"] += len(out.relieve)
