@@ -6,7 +6,7 @@ and gradient clipping, trained on the rollouts of a gymnasium CartPole vector en
 vector-env steps with a policy forward, then one minibatch update). Copy B is built before the probe is
 installed (no comm hook, no optimizer gating, no env monitor); copy A after (the probe's DDP comm hook with its
 sync header, optimizer hooks, env monitor, registration with a control plane in a subprocess and a reporter
-thread beating every ``--heartbeat`` s). Blocks of ``--steps`` steps alternate in random order within each pair;
+thread). Blocks of ``--steps`` steps alternate in random order within each pair;
 before an A block the probe's global patches (collectives, optimizer step hooks, clip_grad_norm_, backward) are
 installed, before a B block they are removed, so B runs the plain torch path.
 
@@ -22,15 +22,18 @@ and counted.
 ``overhead_instrumented`` (+ ``_ci95``): a second, finer figure from a separate attribution pass — per block of
 ``--steps`` steps, the CPU time spent inside the probe's hooks (thread_time_ns wrappers) over the block's process
 CPU time, plus the reporter share; CI over the blocks. The wrappers' own cost (thread_time_ns is ~1 µs here) is
-calibrated on no-op functions and subtracted (``timer_bias_ns``). It is a lower bound: it leaves out what the hooks
-cost outside their own Python (DDP calling a Python hook instead of its C++ one, the futures' machinery, the
-patched functions' dispatch).
+subtracted (``timer_bias_ns``): for the comm and optimizer hooks as calibrated on no-op functions in a tight loop,
+for the env monitor (a timer around its step minus one around the env's step, ~16 calls per training step) as
+measured in place, from interleaved blocks where the monitor's step is a bare pass-through under the same timers.
+It is a lower bound: it leaves out what the hooks cost outside their own Python (DDP calling a Python hook instead
+of its C++ one, the futures' machinery, the patched functions' dispatch).
 
 Per component (microseconds of CPU per step, same pass; wall-clock figures in ``components_wall_us``):
 ``comm_hook`` (the probe's Python around each DDP bucket: cycle bookkeeping, header encode/decode on the steps
 that carry it, launching the collective, copy-back and the norm), ``optimizer_hook`` (step pre/post hooks and the
 accumulation gate), ``env_hook`` (the episode monitor around the env's step), ``reporter_thread`` (its CPU time
-per step).
+per beat, ``beat_cpu_us``, measured while beating every ``--heartbeat`` s, times the beats per step at
+``--share-interval`` s, by default the probe's default interval of 5 s).
 
 Last stdout line: one JSON object {"overhead_ratio", "overhead_ci95", "overhead_instrumented", "components_us",
 "step_us", ...}.
@@ -237,7 +240,15 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=400, help="paired blocks (A and B each)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per block")
     ap.add_argument("--env-steps", type=int, default=16, help="vector-env steps per training step")
-    ap.add_argument("--heartbeat", type=float, default=1.0, help="the probe's heartbeat interval (s)")
+    ap.add_argument(
+        "--heartbeat", type=float, default=1.0, help="the probe's heartbeat interval while measuring (s): often"
+    )
+    ap.add_argument(
+        "--share-interval",
+        type=float,
+        default=5.0,
+        help="the heartbeat interval the reporter's share is computed for (s; default: the probe's default)",
+    )
     ap.add_argument("--attribution-steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -315,6 +326,7 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
     rep = probe.reporter
     thread = getattr(rep, "_thread", None)
     cpu0, wall0 = _thread_cpu_s(thread), time.perf_counter()
+    beats0 = rep.beats_ok if rep is not None else 0
     wall: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.pairs):
@@ -326,12 +338,14 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
             wall[on].append(w_us)
             cpu[on].append(c_us)
     cpu_s, wall_s = _thread_cpu_s(thread) - cpu0, time.perf_counter() - wall0
-    steps_total = 2 * args.pairs * args.steps
-    beats = rep.beats_sent if rep is not None and hasattr(rep, "beats_sent") else None
+    beats = (rep.beats_ok - beats0) if rep is not None else 0
 
     cpu_paired, cpu_half, cpu_dropped, cpu_step_us = _paired(cpu[True], cpu[False], args.steps)
     wall_paired, wall_half, wall_dropped, step_us = _paired(wall[True], wall[False], args.steps)
-    reporter_us = cpu_s * 1e6 / steps_total
+    # The reporter's cost is per beat, not per step: its CPU per beat (measured at --heartbeat, which beats often for a
+    # sample) times the beats per step at --share-interval (the probe's default interval unless told otherwise).
+    beat_cpu_us = cpu_s * 1e6 / max(beats, 1)
+    reporter_us = beat_cpu_us * (step_us / 1e6) / args.share_interval
     reporter_share = reporter_us / cpu_step_us
     overhead = cpu_paired + reporter_share
     overhead_wall = wall_paired + reporter_us / step_us
@@ -349,37 +363,71 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
     inst.install(torch)
     monitor = probed.envs
     inner = monitor.env
-    inner.step = env_inner.wrap(inner.step)
-    monitor.step = env_outer.wrap(monitor.step)
+    inner_step, monitor_step = inner.step, monitor.step
+    # The env monitor is timed as outer (its step) minus inner (the env's step): the two timers' own cost lands in
+    # that difference, and in the workload it is several times what a tight loop of no-ops calibrates (caches are
+    # cold after the policy's forward pass: ~9 µs per vector step here against ~2). So blocks alternate with blocks
+    # where the monitor's step is a bare pass-through under the same two timers, in the same place: their
+    # outer-minus-inner per call is the timers' cost in situ, subtracted per env step.
+    pass_outer, pass_inner = Timer(), Timer()
+    # The backend's own launch of each bucket's collective (ProcessGroup.allreduce: gloo enqueues the work) is
+    # work DDP's built-in hook does as well; timed on its own and taken out of the comm hook's figure
+    # (``comm_backend_launch_us``). What the probe adds around it — torch's Python all_reduce wrapper, the header,
+    # the future callback — stays in.
+    launch = Timer()
+    pg_cls = dist.ProcessGroup
+    pg_allreduce = pg_cls.allreduce
+    pg_cls.allreduce = launch.wrap(pg_allreduce)
+    real = (env_inner.wrap(inner_step), env_outer.wrap(monitor_step))
+    bare = (pass_inner.wrap(inner_step), pass_outer.wrap(lambda actions: monitor.env.step(actions)))
     # Per block of --steps steps: the probe's CPU time inside its hooks against the block's process CPU time — an
     # instrumented lower bound of the overhead (it leaves out what the hooks cost outside their own Python: DDP calling
     # a Python hook, the futures' machinery, the wrappers' dispatch) with a CI from the blocks.
     timers = (comm, optim, env_outer)
-    hook_cpu, step_cpu = [], []
+    hook_cpu, step_cpu, env_calls, hook_calls = [], [], [], []
+    # Totals over the measured (real) blocks only: [cpu ns, wall ns, counted calls] per timer.
+    totals = {t: [0, 0, 0] for t in (comm, optim, env_outer, env_inner, launch)}
     for _ in range(args.attribution_steps // args.steps):
-        before = sum(t.cpu_ns for t in timers) - env_inner.cpu_ns
-        c0 = time.process_time_ns()
-        _block(probed, args.steps)
-        step_cpu.append(time.process_time_ns() - c0)
-        hook_cpu.append(sum(t.cpu_ns for t in timers) - env_inner.cpu_ns - before)
+        for timed_inner, timed_monitor in (bare, real):
+            inner.step, monitor.step = timed_inner, timed_monitor
+            start = {t: (t.cpu_ns, t.ns, t.calls) for t in totals}
+            c0 = time.process_time_ns()
+            _block(probed, args.steps)
+            if timed_monitor is bare[1]:
+                continue
+            step_cpu.append(time.process_time_ns() - c0)
+            for t, (c, w, k) in start.items():
+                totals[t][0] += t.cpu_ns - c
+                totals[t][1] += t.ns - w
+                totals[t][2] += t.calls - k
+            inside = sum(t.cpu_ns - start[t][0] for t in timers)
+            hook_cpu.append(inside - (env_inner.cpu_ns - start[env_inner][0]) - (launch.cpu_ns - start[launch][0]))
+            env_calls.append(env_outer.calls - start[env_outer][2])
+            # The launch timer's calls run inside the comm hook's: its own cost is the comm timer's to take out.
+            hook_calls.append(sum(t.calls - start[t][2] for t in (comm, optim, launch)))
+    inner.step, monitor.step = inner_step, monitor_step
+    pg_cls.allreduce = pg_allreduce
     n = len(step_cpu) * args.steps
-    bias_one, bias_nested = _calibrate()
-    # Per block: each counted call of comm/optim carries bias_one, each env step bias_nested (calls spread evenly).
-    bias_block = ((comm.calls + optim.calls) * bias_one + env_outer.calls * bias_nested) / len(step_cpu)
-    hook_cpu = [h - bias_block for h in hook_cpu]
+    bias_one, bias_tight = _calibrate()
+    bias_nested = (pass_outer.cpu_ns - pass_inner.cpu_ns) / max(pass_outer.calls, 1)  # in situ, per env step
+    # Per block: each counted call of comm/optim carries bias_one, each env step bias_nested.
+    hook_cpu = [h - kc * bias_one - ke * bias_nested for h, kc, ke in zip(hook_cpu, hook_calls, env_calls, strict=True)]
     ratios = [h / c for h, c in zip(hook_cpu, step_cpu, strict=True)]
     instrumented = statistics.mean(ratios) + reporter_us * 1e3 * args.steps / statistics.mean(step_cpu)
     inst_half = 1.96 * statistics.stdev(ratios) / len(ratios) ** 0.5
+    cpu_t = {t: v[0] for t, v in totals.items()}
+    wall_t = {t: v[1] for t, v in totals.items()}
+    calls_t = {t: v[2] for t, v in totals.items()}
     components = {
-        "comm_hook": round((comm.cpu_ns - comm.calls * bias_one) / 1e3 / n, 2),
-        "optimizer_hook": round((optim.cpu_ns - optim.calls * bias_one) / 1e3 / n, 2),
-        "env_hook": round((env_outer.cpu_ns - env_inner.cpu_ns - env_outer.calls * bias_nested) / 1e3 / n, 2),
+        "comm_hook": round((cpu_t[comm] - cpu_t[launch] - (calls_t[comm] + calls_t[launch]) * bias_one) / 1e3 / n, 2),
+        "optimizer_hook": round((cpu_t[optim] - calls_t[optim] * bias_one) / 1e3 / n, 2),
+        "env_hook": round((cpu_t[env_outer] - cpu_t[env_inner] - calls_t[env_outer] * bias_nested) / 1e3 / n, 2),
         "reporter_thread": round(reporter_us, 2),
     }
     components_wall = {
-        "comm_hook": round(comm.ns / 1e3 / n, 2),
-        "optimizer_hook": round(optim.ns / 1e3 / n, 2),
-        "env_hook": round((env_outer.ns - env_inner.ns) / 1e3 / n, 2),
+        "comm_hook": round((wall_t[comm] - wall_t[launch]) / 1e3 / n, 2),
+        "optimizer_hook": round(wall_t[optim] / 1e3 / n, 2),
+        "env_hook": round((wall_t[env_outer] - wall_t[env_inner]) / 1e3 / n, 2),
     }
     registered = bool(rep is not None and rep.registered)
     probe.close()
@@ -397,8 +445,13 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
         "overhead_instrumented": round(instrumented, 5),
         "overhead_instrumented_ci95": [round(instrumented - inst_half, 5), round(instrumented + inst_half, 5)],
         "components_us": components,
+        "comm_backend_launch_us": round(cpu_t[launch] / 1e3 / n, 2),
         "components_wall_us": components_wall,
         "timer_bias_ns": [round(bias_one), round(bias_nested)],
+        "timer_bias_nested_tight_loop_ns": round(bias_tight),
+        "beat_cpu_us": round(beat_cpu_us, 1),
+        "beats_measured": beats,
+        "share_interval_s": args.share_interval,
         "components_sum_ratio": round(sum(components.values()) / cpu_step_us, 5),
         "step_us": round(step_us, 1),
         "step_cpu_us": round(cpu_step_us, 1),
@@ -412,7 +465,6 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
         "reporter_cpu_s": round(cpu_s, 4),
         "measured_wall_s": round(wall_s, 1),
         "registered": registered,
-        "beats": beats,
     }
     print(json.dumps(result))
     return 0

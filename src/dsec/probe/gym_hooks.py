@@ -161,6 +161,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
             self._len = [0] * n
             self._resetting = [False] * n
             self._any_resetting = False  # any(self._resetting), kept so the common step does not compute it
+            self._counter = probe.telemetry.env_step_counter(self)
             mode = getattr(env, "metadata", {}).get("autoreset_mode")
             # NEXT_STEP (gymnasium's default): the step after an episode ends only resets that
             # sub-environment (reward 0, action ignored): it is not a step of the next episode.
@@ -183,7 +184,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
                 for i, r in enumerate(rew):
                     ret[i] += r
                     length[i] += 1
-                probe.telemetry.record_env_steps(len(rew))
+                self._counter.steps += len(rew)
                 return obs, rewards, terminated, truncated, info
             stepped = 0
             for i in range(len(self._ret)):
@@ -206,7 +207,7 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
                     self._resetting[i] = self._next_step
                     probe.after_episode(reason)
             self._any_resetting = any(self._resetting)
-            probe.telemetry.record_env_steps(stepped)
+            self._counter.steps += stepped
             return obs, rewards, terminated, truncated, info
 
     return VectorEpisodeMonitor

@@ -9,10 +9,13 @@ slope is noise and nothing is reported.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from dsec import telemetry
 
@@ -77,10 +80,20 @@ def memory_metrics() -> dict[str, float]:
             out[f"cuda{i}_reserved_gb"] = torch.cuda.memory_reserved(i) / 2**30
         out[telemetry.MEMORY_USED_GB.name] = torch.cuda.memory_reserved() / 2**30
         return out
-    try:
-        import psutil
-
-        out[telemetry.MEMORY_USED_GB.name] = psutil.Process().memory_info().rss / 2**30
-    except Exception:
-        pass
+    with contextlib.suppress(Exception):  # no psutil, or /proc unreadable: no memory figure this beat
+        out[telemetry.MEMORY_USED_GB.name] = _this_process().memory_info().rss / 2**30
     return out
+
+
+_process: Any = None
+
+
+def _this_process() -> Any:
+    """This process's psutil handle, made once (constructing one reads /proc and cost ~0.4 ms of each beat's ~1.1 ms);
+    a forked child makes its own."""
+    global _process
+    import psutil
+
+    if _process is None or _process.pid != os.getpid():
+        _process = psutil.Process()
+    return _process

@@ -67,14 +67,17 @@ def capture(modules: list[Any], optimizers: list[Any], schedulers: list[Any], co
 def _flatten(state: ReplicaState) -> tuple[dict[str, Any], torch.Tensor]:
     import torch
 
-    index, parts, offset = [], [], 0
+    index, parts, hosted, offset = [], [], [], 0
     for name, t in state.tensors.items():
-        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        host = t.detach().to("cpu")
+        raw = host.contiguous().reshape(-1).view(torch.uint8)
         index.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "at": offset})
         parts.append(raw)
+        hosted.append(host)
         offset += raw.numel()
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    header = {**state.meta, "index": index, "nbytes": offset, "fingerprint": fingerprint(state.tensors.values())}
+    # The receiver fingerprints host tensors: so does the sender (a device's tensors would digest differently).
+    header = {**state.meta, "index": index, "nbytes": offset, "fingerprint": fingerprint(hosted)}
     return header, flat
 
 

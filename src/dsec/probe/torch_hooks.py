@@ -307,13 +307,18 @@ class TorchInstrumentation:
             return
         norm = None
         synced = [c.grad_norm for c in self.coordinators if c.grad_norm is not None]
-        if synced:
+        clipped = self._clip_norm is not None
+        if clipped:
+            # The training code clipped the synchronized gradient: clip_grad_norm_ returned its norm, so the comm
+            # hooks need not compute it (from the next step on; they are told below).
+            norm = self._clip_norm
+        elif synced:
             # The comm hook already computed the synchronized gradient's norm: no extra pass.
             norm = float(sum(n * n for n in synced) ** 0.5)
-        elif self._clip_norm is not None:
-            norm = self._clip_norm
         else:
             norm = grad_norm(opt)
+        for c in self.coordinators:
+            c.norm_from_clip = clipped  # a step without clipping: the hooks compute the norm again
         self._clip_norm = None
         self.probe.telemetry.record_update(time.perf_counter() - start, norm)
         if self._trace is not None:
@@ -363,7 +368,10 @@ class TorchInstrumentation:
                 # Clipping a partial sum would distort the accumulated gradient: clip once, at the sync.
                 return torch.tensor(float("nan"))
             total = fn(parameters, max_norm, *args, **kwargs)
-            inst._clip_norm = float(total) if isinstance(total, torch.Tensor) else None
+            norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+            # Only the Euclidean norm is the gradient norm DSec reports (grad_norm, its trend).
+            euclidean = isinstance(norm_type, (int, float)) and float(norm_type) == 2.0
+            inst._clip_norm = float(total) if euclidean and isinstance(total, torch.Tensor) else None
             return total
 
         return clip

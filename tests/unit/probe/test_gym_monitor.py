@@ -69,6 +69,29 @@ def test_vector_env_next_step_autoreset_is_not_double_counted(probe: Probe) -> N
     assert out["episode_length_mean"] == pytest.approx(out["episode_return_mean"])
 
 
+def test_vector_env_steps_are_counted_and_stay_counted_after_the_env_is_gone(probe: Probe) -> None:
+    import gc
+
+    t = probe.telemetry
+    envs = gym.make_vec("CartPole-v1", num_envs=3, vectorization_mode="sync")
+    envs.reset(seed=0)
+    # Fixed actions and no episode end in 5 steps (CartPole needs more): every sub-environment steps each time.
+    for _ in range(5):
+        envs.step(np.zeros(3, dtype=np.int64))
+    assert t.env_steps_total == 15
+    assert t.collect()["env_steps_total"] == 15
+    envs.close()
+    del envs
+    gc.collect()
+    assert t.env_steps_total == 15  # the monitor's own counter was folded in, not lost
+    assert not t._env_counters  # (and not kept: envs made and dropped in a loop hold no memory)
+    more = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
+    more.reset(seed=1)
+    more.step(np.zeros(2, dtype=np.int64))
+    assert t.env_steps_total == 17
+    more.close()
+
+
 class _Crashy(gym.Wrapper):  # type: ignore[misc]
     """Ends every episode after 3 steps with info['collision'] = True."""
 
