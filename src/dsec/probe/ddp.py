@@ -132,6 +132,7 @@ class SyncCoordinator:
         self.syncs = 0  # synchronized steps completed (identical on every rank)
         self._my_extras = (0, 0, 0)
         self.header_every = header_every
+        self._reduce = self._reduce_path()  # this cycle's buckets go through one all_reduce (set at each cycle start)
         self._header_due = True  # this cycle's last bucket carries the header (agreed: identical on every rank)
         self._since_header = header_every  # synced steps since the last header (the first step carries one)
         actuators.collective_users += 1
@@ -154,7 +155,8 @@ class SyncCoordinator:
             self.accum = max(a for _, a in self._seen)
             self._seen = None
         self.actuators.confirm(self.peer_bits[self.rank], self.accum)
-        self._header_due = not self._reduce_path() or self._since_header >= self.header_every - 1
+        self._reduce = self._reduce_path()  # the levels change only here
+        self._header_due = not self._reduce or self._since_header >= self.header_every - 1
         if self._header_due:
             # Read only when a header will carry them: extras() hands over a pending fingerprint once.
             self._my_desired = self.actuators.declare()
@@ -175,6 +177,17 @@ class SyncCoordinator:
         if admit:
             flags |= sh.Flag.JOIN_KNOWN
         return sh.Header(bits, min(accum, sh.MAX_ACCUM), stamp, int(flags), fp, hyper, admit & sh.MASK24)
+
+    def _slot_values(self, bits: int) -> list[float]:
+        """This rank's header fields as all_reduce slots, encoded again only when a field changed."""
+        h = self._my_header(0.0)
+        key = (h, self.world, bits)
+        if self._slots_key != key:
+            self._slots_key, self._slots = key, sh.slot_values(h, self.rank, self.world, bits)
+        return self._slots
+
+    _slots_key: Any = None
+    _slots: list[float] = []
 
     def _headers_seen(self, headers: list[sh.Header], period_ms: float | None, latency_s: float) -> None:
         self._seen = [(h.bits, h.accum) for h in headers]
@@ -238,7 +251,7 @@ class SyncCoordinator:
         if last:
             self._late()
         start = time.perf_counter()
-        if self._reduce_path():
+        if self._reduce:
             if last and self._header_due:
                 return self._all_reduce(buf, self.peer_bits[0], last, start)
             return self._all_reduce_plain(buf, self.peer_bits[0], last, start)
@@ -293,13 +306,12 @@ class SyncCoordinator:
             send = send.clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
         period = sh.STAMP_PERIOD_MS[bits]
         if last:
-            header = sh.encode_slots(
-                self._my_header(0.0),
+            header = sh.slots_tensor(
+                self._slot_values(bits),
                 self.rank,
-                self.world,
                 bits,
-                send.dtype,
                 sh.stamp_now_ms(time.time()),
+                send.dtype,
                 device=send.device,  # the bucket's (a GPU under NCCL)
             )
             send = torch.cat((send, header))

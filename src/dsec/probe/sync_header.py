@@ -87,13 +87,31 @@ def encode_slots(
 ) -> torch.Tensor:
     """The header as ``world * slots_per_rank`` elements of ``dtype`` (on ``device``: the bucket's): this rank's
     fields in its slots, zeros elsewhere (summed over ranks by the all_reduce)."""
+    values = slot_values(h, rank, world, bits)
+    return slots_tensor(values, rank, bits, stamp_ms, dtype, device)
+
+
+def slots_tensor(
+    values: list[float], rank: int, bits: int, stamp_ms: float, dtype: torch.dtype, device: Any = None
+) -> torch.Tensor:
+    """The slots of :func:`slot_values` with this rank's arrival stamp, as a tensor (``values`` is not changed)."""
     import torch
 
+    values = values.copy()
+    values[slots_per_rank(bits) * rank] = stamp_ms % STAMP_PERIOD_MS[bits]
+    # One tensor from a typed buffer (torch.zeros + torch.tensor + a slice assignment cost several times more).
+    # (frombuffer keeps the array alive as long as the tensor; float32 holds every slot value exactly, and so does
+    # float16 those of the 16-bit layout.)
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def slot_values(h: Header, rank: int, world: int, bits: int) -> list[float]:
+    """Every slot's value for this rank's header, its stamp slot left 0: what the comm hook can keep while the
+    fields do not change (they change at a level change, a fingerprint, a snapshot vote; the stamp every step)."""
     mask = (1 << SLOT_BITS[bits]) - 1
     n = slots_per_rank(bits)
     values = [0.0] * (n * world)
     pos = n * rank
-    values[pos] = stamp_ms % STAMP_PERIOD_MS[bits]
     fields = (h.bits, h.accum, h.flags, h.fingerprint, h.hyper, h.admit)  # the order of _WIDTHS
     for (name, _), v, (width, shifts) in zip(_WIDTHS, fields, _LAYOUT[bits], strict=True):
         v = int(v)
@@ -102,10 +120,7 @@ def encode_slots(
         for shift in shifts:
             pos += 1
             values[pos] = float((v >> shift) & mask)
-    # One tensor from a typed buffer (torch.zeros + torch.tensor + a slice assignment cost several times more).
-    # (frombuffer keeps the array alive as long as the tensor; float32 holds every slot value exactly, and so does
-    # float16 those of the 16-bit layout.)
-    return torch.frombuffer(array.array("f", values), dtype=torch.float32).to(dtype=dtype, device=device)
+    return values
 
 
 def decode_slots(slots: torch.Tensor, world: int, bits: int) -> list[Header]:
