@@ -9,9 +9,11 @@ if ! command -v apt-get >/dev/null 2>&1 || [ "$(id -u)" != 0 ]; then
     exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
-if ! apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; then
-    apt-get update -qq >/dev/null 2>&1 || true
-    apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
+# Another apt-get (a second checkout's setup) may hold the dpkg lock: wait for it rather than give up at once.
+lock=(-o DPkg::Lock::Timeout=300)
+if ! apt-get "${lock[@]}" install -y -qq --no-install-recommends chromium >/dev/null 2>&1; then
+    apt-get "${lock[@]}" update -qq >/dev/null 2>&1 || true
+    apt-get "${lock[@]}" install -y -qq --no-install-recommends chromium >/dev/null 2>&1 \
         || echo "warning: could not install chromium; the dashboard browser test will skip" >&2
 fi
 exit 0
