@@ -14,6 +14,7 @@ from dsec.quota.trend import (
     PEAK_HOLD_S,
     RAMP_FLOOR_GB_PER_S,
     MemoryTrend,
+    observe_arrays,
 )
 
 
@@ -71,3 +72,13 @@ def test_a_slow_leak_keeps_its_ramp() -> None:
     for k in range(1, 30):
         trend = trend.observe(7.0 + 1.5 * 10.0 * k / 3600.0, 10.0 * k)
     assert math.isclose(trend.ramp_gb_per_s, 1.5 / 3600.0, rel_tol=1e-6)
+
+
+def test_a_ramp_at_exactly_the_floor_is_kept() -> None:
+    # RAMP_WEIGHT is 0.5: a ramp at the floor averaged with a fresh rate at the floor is the floor itself, exactly;
+    # only a ramp below it is taken for noise (written against a survivor: `<` -> `<=`)
+    floor = RAMP_FLOOR_GB_PER_S
+    _, _, ramp, *_ = observe_arrays(0.0, 0.0, floor, 0.0, 0.0, floor, 1.0)
+    assert float(ramp) == floor
+    _, _, below, *_ = observe_arrays(0.0, 0.0, floor / 2, 0.0, 0.0, floor / 2, 1.0)
+    assert float(below) == 0.0
