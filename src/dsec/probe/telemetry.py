@@ -69,6 +69,7 @@ class Telemetry:
         # Counters that vector-env monitors keep themselves (EnvStepCounter): added up when read; a counter whose
         # monitor is gone is folded into _env_steps (the total never goes back).
         self._env_counters: set[EnvStepCounter] = set()
+        self._env_gone: list[EnvStepCounter] = []  # counters whose monitor went, folded in by the next reader
         self.episodes_total = 0
         self.terminated_total = 0
         self.truncated_total = 0
@@ -157,14 +158,22 @@ class Telemetry:
         return counter
 
     def _fold(self, counter: EnvStepCounter) -> None:
-        with self._lock:
+        # No lock here: a finalizer may run inside a garbage collection that an allocation set off on a thread that
+        # holds self._lock (collect() allocates under it). list.append is atomic; the next reader folds it in.
+        self._env_gone.append(counter)
+
+    def _env_total(self) -> int:
+        """Every environment step so far (call with self._lock held)."""
+        while self._env_gone:
+            counter = self._env_gone.pop()
             self._env_counters.discard(counter)
             self._env_steps += counter.steps
+        return self._env_steps + sum(c.steps for c in self._env_counters)
 
     @property
     def env_steps_total(self) -> int:
         with self._lock:
-            return self._env_steps + sum(c.steps for c in self._env_counters)
+            return self._env_total()
 
     def record_episode(self, ret: float, length: int, terminated: bool, truncated: bool, interrupted: bool) -> None:
         with self._lock:
@@ -202,7 +211,7 @@ class Telemetry:
                 "collective_bytes_total": self.collective_bytes_total,
                 "updates_total": self.updates_total,
                 "skipped_updates_total": self.skipped_updates_total,
-                "env_steps_total": self._env_steps + sum(c.steps for c in self._env_counters),
+                "env_steps_total": self._env_total(),
                 "env_steps_per_s": 0.0,
                 "episodes_total": self.episodes_total,
                 "terminated_total": self.terminated_total,
