@@ -251,6 +251,9 @@ def main() -> int:
         help="the heartbeat interval the reporter's share is computed for (s; default: the probe's default)",
     )
     ap.add_argument("--attribution-steps", type=int, default=400)
+    ap.add_argument(
+        "--header-every", type=int, default=1, help="the probe's DSEC_HEADER_EVERY (default 1: the product's default)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--workload",
@@ -302,6 +305,7 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
             "DSEC_TOKEN": token,
             "DSEC_ROLE": "learner",
             "DSEC_HEARTBEAT_INTERVAL": str(args.heartbeat),
+            "DSEC_HEADER_EVERY": str(args.header_every),
         }
     )
     assert config is not None
@@ -475,6 +479,7 @@ def _run(args: argparse.Namespace, rng: random.Random, url: str, token: str) -> 
         "env_steps_per_step": args.env_steps,
         "workload": args.workload,
         "heartbeat_s": args.heartbeat,
+        "header_every": args.header_every,
         "reporter_cpu_s": round(cpu_s, 4),
         "measured_wall_s": round(wall_s, 1),
         "registered": registered,
