@@ -31,10 +31,12 @@ step against a native all_reduce of a few hundred). ``DSEC_HEADER_EVERY=N`` (exp
 lets it ride every Nth synchronized step only; the steps between all_reduce the bucket's own buffer in place, the
 way DDP's default hook does. Whether a step carries the header depends only on the agreed state (the count of
 synchronized steps since the last header and the agreed levels), so every rank decides the same. What N > 1 costs:
-level changes, group-snapshot agreement and the arrival stamps (lag/cost) happen only at header steps, so the
-breaker judges a straggler from fewer samples and later; with N = 8 the demo's breaker scene also blamed the healthy
-rank (its wait is attributed to it between headers) and its 4-bit scene saw a 4-bit directive acked while the rank's
-bytes per sync did not shrink (2026-12-02; not investigated) — hence not the default. The byte paths (8/4 bits,
+level changes, group-snapshot agreement and the arrival stamps happen only at header steps; between them a rank's
+lag and wait are taken as at the last header (its cost stays its own share; a straggler that recovers is seen at
+the next header). With N = 8 the demo once blamed the healthy rank too — the steps between headers recorded no cost
+and the judge fell back to raw latency, which includes the wait (fixed: ``_estimate_arrival``) — and once saw a
+4-bit directive acked while the rank's bytes per sync did not shrink (not reproduced since: 36,652 -> 4,784 in the
+run after the fix). Still not the default: one passing demo run is not enough evidence. The byte paths (8/4 bits,
 mixed levels) carry the header at every step.
 
 Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
