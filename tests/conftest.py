@@ -323,3 +323,14 @@ def offline_probe() -> Iterator[Any]:
     yield p
     p.healing = None  # a test's stand-in is not closed again
     p.close()
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo default group in this process (the DDP comm hook's unit tests), destroyed after the test."""
+    dist = pytest.importorskip("torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

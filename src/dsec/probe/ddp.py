@@ -266,11 +266,12 @@ class SyncCoordinator:
         lag = -min(deltas)  # how long after the earliest peer this rank arrived
         wait = max(deltas)  # how long it then waited for the latest one
         self._last_arrival = (lag, wait)
-        self.telemetry.record_arrival(lag, max(0.0, latency_s - wait) + lag)
+        self._estimate_arrival(latency_s)
 
     def _estimate_arrival(self, latency_s: float) -> None:
-        """A synchronized step without the header (``header_every`` > 1) has no stamps: its lag and wait are taken as
-        at the last header, so its cost is still this rank's own share. Without it a beat whose steps carried no
+        """Record this step's lag and cost from the last header's lag and wait (at a header step: its own). A
+        synchronized step without the header (``header_every`` > 1) has no stamps, so its cost is still this rank's
+        own share. Without it a beat whose steps carried no
         header had no cost at all, the judge fell back to raw latency, which includes waiting for a straggler, and
         blamed the straggler's punctual peers too (the demo's breaker scene with DSEC_HEADER_EVERY=8). A straggler
         that recovers between headers is seen at the next one."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -14,15 +14,6 @@ from dsec.probe.actuators import Actuators  # noqa: E402
 from dsec.probe.ddp import HEADER_BYTES, SyncCoordinator, chunk_bytes  # noqa: E402
 from dsec.probe.telemetry import Telemetry  # noqa: E402
 from dsec.probe.torch_targets import unannotated  # noqa: E402
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _ddp_with_probe(default_bits: int) -> tuple[Actuators, Callable[[], int], int]:

@@ -4,8 +4,6 @@ to raw latency (which includes waiting for a straggler) and blamed the straggler
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,15 +13,6 @@ from dsec.probe.actuators import Actuators  # noqa: E402
 from dsec.probe.ddp import SyncCoordinator  # noqa: E402
 from dsec.probe.telemetry import Telemetry  # noqa: E402
 from dsec.probe.torch_targets import unannotated  # noqa: E402
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_synchronized_step_records_a_cost_and_only_header_steps_read_stamps(one_rank_group: None) -> None:

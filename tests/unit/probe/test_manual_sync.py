@@ -3,7 +3,6 @@ what counts as gradient sync, what it sends at each level, and which directive f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,15 +15,6 @@ from dsec.probe.actuators import Actuators  # noqa: E402
 from dsec.probe.ddp import HEADER_BYTES, chunk_bytes  # noqa: E402
 from dsec.probe.manual_sync import ManualSync  # noqa: E402
 from dsec.probe.telemetry import Telemetry  # noqa: E402
-
-
-@pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _setup() -> tuple[ManualSync, Any, torch.nn.Module, list[tuple[Any, ...]]]:
