@@ -237,6 +237,8 @@ def _thread_cpu_s(thread: threading.Thread | None) -> float:
 
 
 def main() -> int:
+    from dsec.probe.sync_header import DEFAULT_EVERY as DEFAULT_HEADER_EVERY
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=400, help="paired blocks (A and B each)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per block")
@@ -252,7 +254,10 @@ def main() -> int:
     )
     ap.add_argument("--attribution-steps", type=int, default=400)
     ap.add_argument(
-        "--header-every", type=int, default=1, help="the probe's DSEC_HEADER_EVERY (default 1: the product's default)"
+        "--header-every",
+        type=int,
+        default=DEFAULT_HEADER_EVERY,
+        help=f"the probe's DSEC_HEADER_EVERY (default {DEFAULT_HEADER_EVERY}: the product's default)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.probe.reporter import ReporterConfig
 from dsec.probe.roles import AUTO, DEFAULT_ACTOR_ENV_STEPS, ROLES
+from dsec.probe.sync_header import DEFAULT_EVERY as DEFAULT_HEADER_EVERY
 from dsec.yamlconf import ConfigError, load_marked, validate
 
 PLUGIN_NAME = "dsec_monitor"
@@ -60,7 +61,7 @@ class ProbeConfig:
     stuck_episode_threshold: int = 3
     drift_check_steps: int = 100
     # The DDP comm hook's sync header rides every Nth synchronized step in its all_reduce path (ddp.py).
-    header_every: int = 1
+    header_every: int = DEFAULT_HEADER_EVERY
     # --role auto: the worker registers as ``other`` and the probe infers its role (dsec.probe.roles).
     infer_role: bool = False
     role_actor_env_steps: int = DEFAULT_ACTOR_ENV_STEPS
@@ -120,7 +121,7 @@ class ProbeConfig:
             else ("collision", "crash", "interrupted"),
             stuck_episode_threshold=int(env.get("DSEC_STUCK_EPISODES", "3")),
             drift_check_steps=int(overrides.pop("drift_check_steps", env.get("DSEC_DRIFT_CHECK_STEPS", "100"))),
-            header_every=int(overrides.pop("header_every", env.get("DSEC_HEADER_EVERY", "1"))),
+            header_every=int(overrides.pop("header_every", env.get("DSEC_HEADER_EVERY", str(DEFAULT_HEADER_EVERY)))),
             infer_role=role == AUTO,
             role_actor_env_steps=int(env.get("DSEC_ROLE_ACTOR_STEPS", str(DEFAULT_ACTOR_ENV_STEPS))),
             **overrides,

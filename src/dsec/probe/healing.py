@@ -151,6 +151,8 @@ class Healing:
         from dsec.probe.heal_sync import HealingSync
 
         assert self.elastic is not None
+        # The header rides every step under healing (admission and the contributor count depend on it).
+        kwargs["header_every"] = 1
         sync = HealingSync(elastic=self.elastic, params=list(ddp.parameters()), **kwargs)
         self.syncs.append(sync)
         return sync

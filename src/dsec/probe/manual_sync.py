@@ -157,6 +157,9 @@ class ManualSync:
                 block=probe.config.block_size,
                 error_feedback=probe.config.error_feedback,
                 chaos=probe.chaos,
+                # This path sends the header with the first all-reduce of every phase (reduce()); it does not
+                # skip headers, so it must declare its wanted levels at every cycle start too.
+                header_every=1,
             )
             c.new_phase()
             self.coordinators[id(group)] = c

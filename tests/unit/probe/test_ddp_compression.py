@@ -21,7 +21,7 @@ def _ddp_with_probe(default_bits: int) -> tuple[Actuators, Callable[[], int], in
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
     actuators, telemetry = Actuators(default_bits=default_bits), Telemetry()
-    model.register_comm_hook(None, unannotated(SyncCoordinator(actuators, telemetry).hook))
+    model.register_comm_hook(None, unannotated(SyncCoordinator(actuators, telemetry, header_every=1).hook))
 
     def step() -> int:
         before = telemetry.sync_bytes_total
@@ -32,7 +32,8 @@ def _ddp_with_probe(default_bits: int) -> tuple[Actuators, Callable[[], int], in
 
 
 def _settle(step: Callable[[], int]) -> int:
-    # A change takes effect at a cycle start once the group has seen every rank's header: two steps later.
+    # A change takes effect at a cycle start once the group has seen every rank's header: two steps later (with the
+    # header at every step, as here; the default's later switch is test_probe_header_every's).
     for _ in range(2):
         step()
     return step()
