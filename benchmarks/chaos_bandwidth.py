@@ -194,7 +194,7 @@ def run_dsec(link: LimitedLink, work: Path, args: argparse.Namespace) -> dict[st
                         "world_size": args.world,
                         "memory_gb": 4,
                         "env": {"DSEC_HEARTBEAT_INTERVAL": str(args.beat), "MASTER_ADDR": link.near_ip,
-                                "PYTHONUNBUFFERED": "1"},
+                                "PYTHONUNBUFFERED": "1", **dict(kv.split("=", 1) for kv in args.probe_env)},
                         "command": link.command([sys.executable, *script_args(args.seed, args.num_steps)]),
                     }
                 ],
@@ -214,8 +214,18 @@ def run_dsec(link: LimitedLink, work: Path, args: argparse.Namespace) -> dict[st
         out = _goodput(_follow(work / "dsec-logs", args.duration, alive), args.duration)
         events = client.all_events(pool=POOL)
         workers = client.workers(pool=POOL)
+        rank_of = {w["id"]: int(w["rank"]) for w in workers}
         breaker = [e for e in events if e["type"] in ("meltdown", "breaker", "recovered")]
+        health = [e["data"] for e in client.all_events(types=["device"]) if e["data"].get("kind") == "health"]
         out.update(
+            # Device health must not blame the cards for a slow link (it follows the ranks, not a card).
+            devices_degraded=sorted({str(d["device"]) for d in health if d.get("to") == "degraded"}),
+            # Fleet comparison flags by rank and feature (the far rank is expected on the sync features).
+            fleet_outliers=sorted(
+                f"{rank_of.get(e['worker_id'], '?')}:{e['data'].get('feature')}"
+                for e in events
+                if e["type"] == "anomaly" and e["data"].get("kind") == "fleet_outlier"
+            ),
             breaker_events=len(breaker),
             breaker_max_level=max((int(e["data"].get("level_to") or 0) for e in breaker), default=0),
             directives_acked=sum(1 for e in events if e["type"] == "directive_acked"),
@@ -224,6 +234,7 @@ def run_dsec(link: LimitedLink, work: Path, args: argparse.Namespace) -> dict[st
                     "sync_latency_ms_p50": (w.get("metrics") or {}).get("sync_latency_ms_p50"),
                     "sync_cost_ms_p50": (w.get("metrics") or {}).get("sync_cost_ms_p50"),
                     "compression_bits": (w.get("metrics") or {}).get("compression_bits"),
+                    "compute_ms_p50": (w.get("metrics") or {}).get("compute_ms_p50"),
                 }
                 for w in workers
             },
@@ -244,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2, help="ranks; rank 1 is behind the link, the others are not")
     p.add_argument("--num-steps", type=int, default=128, help="rollout length per env (the example's)")
     p.add_argument("--beat", type=float, default=1.0, help="heartbeat interval (s), DSec run")
+    p.add_argument(
+        "--probe-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a probe setting for the DSec run's ranks, e.g. DSEC_HEADER_EVERY=1 (repeatable)",
+    )
     args = p.parse_args(argv)
     result: dict[str, Any] = {"scenario": "bandwidth", "rate_mbit": args.rate_mbit, "duration_s": args.duration,
                               "world": args.world, "far_rank": FAR_RANK}  # fmt: skip

@@ -140,6 +140,9 @@ COLLECTIVE_LATENCY_MS_P50, COLLECTIVE_LATENCY_MS_P95, COLLECTIVE_LATENCY_MS_P99 
 UPDATES_TOTAL = _m("updates_total", C, "1", "optimizer steps taken", PROBE)
 SKIPPED_UPDATES_TOTAL = _m("skipped_updates_total", C, "1", "optimizer steps skipped (non-finite grads)", PROBE)
 STEP_MS_MEAN = _m("step_ms_mean", G, "ms", "mean wall time of an optimizer step in the interval", PROBE)
+COMPUTE_MS_P50, COMPUTE_MS_P95, COMPUTE_MS_P99 = _quantiles(
+    "compute_ms", "time between optimizer steps not spent waiting for gradient sync (device health: p50)", PROBE
+)
 GRAD_NORM = _m("grad_norm", G, "1", "gradient norm at the latest optimizer step", PROBE)
 GRAD_NORM_SLOPE = _m("grad_norm_slope", G, "1/update", "least-squares slope of the gradient norm (50 updates)", PROBE)
 # -- environment and episodes (probe/gym_hooks.py; the Hermes plugin and the C library report episodes too) ---

@@ -6,6 +6,7 @@ control-plane restart."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,10 @@ class Worker:
         self.seq = 0
         self.version = int(answer["directive"]["version"])
 
-    def beat(self, step_ms: float) -> dict[str, Any]:
+    def beat(self, step_ms: float, **extra: float) -> dict[str, Any]:
         self.seq += 1
-        a = self.client.heartbeat(self.id, self.seq, acked_directive_version=self.version,
-                                  metrics={"step_ms_mean": step_ms, "updates_total": float(self.seq)})  # fmt: skip
+        metrics = {"step_ms_mean": step_ms, "updates_total": float(self.seq), **extra}
+        a = self.client.heartbeat(self.id, self.seq, acked_directive_version=self.version, metrics=metrics)
         if a["directive"] is not None:
             self.version = int(a["directive"]["version"])
         return a
@@ -119,6 +120,43 @@ def test_slow_device_degrades_then_probation_then_healthy(
     h2 = start(server_factory, tmp_path / "cp", port=port)
     assert h2.admin.request("GET", "/v1/profiles")["devices"] == profiles
     assert health(h2, "gpu-2") == "healthy"
+
+
+def test_a_worker_slow_only_at_sync_is_flagged_but_its_device_is_not_degraded(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    """A slow link (or a late peer) makes a worker's syncs slow, not its compute, and follows the worker wherever it
+    is placed: the fleet comparison flags the worker, device health does not blame its card. Then the same worker's
+    compute slows down (compute_ms_p50): now the card is degraded."""
+    h = start(server_factory, tmp_path / "cp")
+    token = four_devices(h)
+    workers = [Worker(h, token, f"gpu-{i}") for i in range(4)]
+    far = workers[1]
+
+    def beat_all(compute_slow: bool = False) -> None:
+        for w in workers:
+            sync = 400.0 if w is far else 20.0
+            compute = 400.0 if w is far and compute_slow else 100.0
+            w.beat(5.0, sync_latency_ms_p50=sync, sync_lag_ms_p50=sync / 2, compute_ms_p50=compute)
+
+    def flagged() -> bool:
+        beat_all()
+        evs = h.admin.all_events(types=["anomaly"], worker_id=far.id)
+        return any(e["data"].get("feature") == "sync_latency_ms_p50" for e in evs)
+
+    wait_for(flagged, timeout=15, interval=0.1, what="the far worker flagged on sync latency")
+    for _ in range(15):  # 1.5 s: three times degrade_after_s
+        beat_all()
+        time.sleep(0.1)
+    assert health(h, "gpu-1") == "healthy" and device_events(h) == []
+
+    def degraded() -> bool:
+        beat_all(compute_slow=True)
+        return health(h, "gpu-1") == "degraded"
+
+    wait_for(degraded, timeout=15, interval=0.1, what="gpu-1 degraded on compute time")
+    (ev,) = [e for e in h.admin.all_events(types=["device"]) if e["data"]["kind"] == "health"]
+    assert "compute_ms_p50" in ev["data"]["flags"][far.id]
 
 
 def test_placement_requests_with_repeated_names_are_refused(

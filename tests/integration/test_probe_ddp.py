@@ -122,9 +122,11 @@ def test_metrics_compression_and_accumulation(server: Harness, launch: Callable[
             "grad_upload_bytes_per_s",
             "memory_used_gb",
             "collective_ops_total",
+            "compute_ms_p50",
         ):
             assert key in m, key
         assert m["sync_errors_total"] == 0
+        assert 0 < m["compute_ms_p50"] < 60_000
     fp32 = _settled(server, 1, "bytes_per_sync")
 
     # 4-bit on rank 1 only: its upload shrinks >= 6x; rank 0 keeps sending float32.

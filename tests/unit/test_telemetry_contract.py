@@ -258,7 +258,7 @@ def test_the_probe_writes_only_declared_names_and_every_name_declared_for_it() -
     probe.memory_trend = MemoryTrend(clock=_Clock(30.0))
     t = probe.telemetry
     for i in range(100):  # enough for every windowed feature (return variance shift: 20 + 60 episodes)
-        t.record_sync(1024, 0.002, ok=i % 10 != 0)
+        t.record_sync(1024, 0.002, ok=i % 10 != 0, last=True)
         t.record_arrival(0.001, 0.002)
         t.record_collective("all_reduce", 64, 0.001, ok=True)
         t.record_update(0.01, 1.0 + i / 100)

@@ -83,6 +83,11 @@ DEFAULT_FEATURES: tuple[FeatureSpec, ...] = (
     # Mean wall time of a training/env step. 5 ms is below timer and scheduler jitter for RL steps
     # (typically tens to hundreds of ms); 10% slower than the median is the least worth acting on.
     FeatureSpec("step_ms_mean", "high", min_abs_excess=5.0, min_rel_excess=0.10),
+    # Median time between optimizer steps not spent waiting for gradient sync (forward, backward, optimizer, data
+    # and env work): the rank's own speed, which neither a slow link nor a late peer changes. Device health acts on
+    # it (a migration is expensive), so 25%: a throttling or failing card is slower than that; peers sharing a
+    # loaded host differ by less (3 ranks of a small PPO on 2 cores: 6-8 ms each).
+    FeatureSpec("compute_ms_p50", "high", min_abs_excess=5.0, min_rel_excess=0.25),
     # How late a rank arrives at gradient sync vs its earliest peer (median over the interval). This is
     # the straggler signal: one late rank stalls every other rank in the collective. 5 ms is jitter;
     # the relative floor stays loose because a healthy pool's median lag is small and noisy.

@@ -443,7 +443,7 @@ class SyncCoordinator:
 
         if not self.norm_from_clip:
             self._grad_sq += float(torch.linalg.vector_norm(buf).item()) ** 2
-        self.telemetry.record_sync(nbytes, time.perf_counter() - start, True)
+        self.telemetry.record_sync(nbytes, time.perf_counter() - start, True, last)
         if last:
             self.grad_norm = None if self.norm_from_clip else self._grad_sq**0.5
             self._grad_sq = 0.0

@@ -238,7 +238,7 @@ class GradSyncOp:
             g.copy_(total[at : at + k].view(g.shape).to(g.dtype))
             at += k
         c._grad_sq = float(torch.linalg.vector_norm(total).item()) ** 2
-        c.telemetry.record_sync(nbytes, latency, True)
+        c.telemetry.record_sync(nbytes, latency, True, last=True)  # the step's one collective: its wait
         c.grad_norm = c._grad_sq**0.5
         c._grad_sq = 0.0
         for buf, fut in zip(self.bufs, self.futs, strict=True):

@@ -62,6 +62,16 @@ class Telemetry:
         self.skipped_updates_total = 0
         self._step_s_sum = 0.0
         self._step_count = 0
+        # Compute time between optimizer steps (compute_ms_*): the wall time from one step to the next minus the
+        # time this rank was blocked on its synchronized steps' last gradient bucket — what the device and the
+        # process did (forward, backward, optimizer, data and env work), without waiting for peers or the network.
+        # Device health judges cards by its median (a slow link or a late peer is not the card's fault; the median
+        # leaves out the one interval per update that holds an RL learner's rollout).
+        self._compute = Percentiles()
+        self._last_update_at: float | None = None
+        self._wait_s = 0.0  # blocked on last buckets since the last optimizer step
+        self._waits = 0
+        self._syncs_at_update = 0  # sync_ops_total at the last optimizer step
         self._grad_norm_last: float | None = None
         self._grad_norm_slope = TrendSlope(window=50)
         # environment
@@ -83,9 +93,14 @@ class Telemetry:
         self.effective: dict[str, float] = {}
 
     # -- recording (hot paths) --------------------------------------------------------------------
-    def record_sync(self, nbytes: int, latency_s: float, ok: bool) -> None:
+    def record_sync(self, nbytes: int, latency_s: float, ok: bool, last: bool = False) -> None:
+        """One gradient sync. ``last``: it was the last bucket of a synchronized step, whose latency the training
+        thread waits out (the earlier buckets overlap the backward pass)."""
         spike = False
         with self._lock:
+            if last:
+                self._wait_s += latency_s
+                self._waits += 1
             self.sync_ops_total += 1
             cap = self.latency_cap_s
             if not ok:
@@ -127,17 +142,37 @@ class Telemetry:
         if not ok:
             self._anomaly("collective_error", {"op": kind})
 
-    def record_update(self, step_s: float, grad_norm: float | None) -> None:
+    def record_update(
+        self, step_s: float, grad_norm: float | None, now: float | None = None, micro_steps: int = 1
+    ) -> None:
+        """An optimizer step that took ``step_s``, ended at ``now`` (time.perf_counter(); default: now), after
+        ``micro_steps`` backward passes (gradient accumulation)."""
+        at = time.perf_counter() if now is None else now
         with self._lock:
             self.updates_total += 1
             self._step_s_sum += step_s
             self._step_count += 1
+            self._compute_since_update(at, max(1, micro_steps))
             if grad_norm is not None:
                 self._grad_norm_last = grad_norm
                 if math.isfinite(grad_norm):
                     self._grad_norm_slope.add(grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
             self._anomaly("non_finite_gradient", {"grad_norm": str(grad_norm)})
+
+    def _compute_since_update(self, at: float, micro_steps: int) -> None:
+        """Fold the interval since the last optimizer step into compute_ms_* (call with self._lock held), per
+        backward pass: a group accumulating gradients (the breaker's level 2) computes as fast per pass as its
+        peers, and must not look slower to device health. An interval with syncs of which none was marked ``last``
+        (a sync path that does not say which one the training thread waits for) is left out rather than counted
+        with its waits as compute."""
+        prev, self._last_update_at = self._last_update_at, at
+        synced = self.sync_ops_total != self._syncs_at_update
+        if prev is not None and (self._waits or not synced):
+            self._compute.add(max(0.0, at - prev - self._wait_s) / micro_steps)
+        self._wait_s = 0.0
+        self._waits = 0
+        self._syncs_at_update = self.sync_ops_total
 
     def record_skipped_update(self) -> None:
         with self._lock:
@@ -231,6 +266,8 @@ class Telemetry:
                 out[f"collective_latency_ms_{q}"] = v * 1000
             if self._step_count:
                 out["step_ms_mean"] = self._step_s_sum / self._step_count * 1000
+            for q, v in self._compute.take().items():
+                out[f"compute_ms_{q}"] = v * 1000
             if self._grad_norm_last is not None:
                 out["grad_norm"] = self._grad_norm_last
             slope = self._grad_norm_slope.value()

@@ -320,7 +320,9 @@ class TorchInstrumentation:
         for c in self.coordinators:
             c.norm_from_clip = clipped  # a step without clipping: the hooks compute the norm again
         self._clip_norm = None
-        self.probe.telemetry.record_update(time.perf_counter() - start, norm)
+        # Backward passes per optimizer step: the group's agreed accumulation (1 without a comm hook of ours).
+        micro = max((c.accum for c in self.coordinators), default=1)
+        self.probe.telemetry.record_update(time.perf_counter() - start, norm, micro_steps=micro)
         if self._trace is not None:
             self._trace_step()
         self.probe.replicas.after_step()

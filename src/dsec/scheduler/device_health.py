@@ -1,6 +1,6 @@
 """Degraded-device detection and probation: a pure state machine over (what each device's workers look like, now).
 
-A device whose workers are *all* fleet outliers on speed (step time, sync lag, sync latency) for ``degrade_after_s``
+A device whose workers are *all* fleet outliers on compute speed (``SLOW_FEATURES``) for ``degrade_after_s``
 (all that could be judged: a worker without peers to compare with neither counts for nor against) becomes
 *degraded*: nothing new is placed on it and the caller snapshots its workers and moves them. "All" matters: one slow
 worker is that worker's problem (the breaker's business); every worker of a device slow at once points at
@@ -19,8 +19,13 @@ from dataclasses import dataclass
 
 from dsec.model import DeviceHealth
 
-# Fleet features (health/fleet.py) that say "this worker is slow", as opposed to "its episodes are odd".
-SLOW_FEATURES = ("step_ms_mean", "sync_lag_ms_p50", "sync_latency_ms_p50")
+# Fleet features (health/fleet.py) that say "this worker computes slowly", the evidence against its device: the
+# optimizer step's time and the compute time between steps. Not the sync features: sync latency grows with the
+# link (a jittery or rate-limited network follows the worker, not the card — the simulator migrated in a loop on
+# it, and on a real rate-limited link 2 of 3 healthy devices were found degraded), and a rank's lag at sync is
+# its compute plus its data and host stalls, which compute_ms_p50 already holds without the network. They still
+# make fleet outlier events.
+SLOW_FEATURES = ("step_ms_mean", "compute_ms_p50")
 
 
 @dataclass(frozen=True)

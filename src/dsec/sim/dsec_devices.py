@@ -34,23 +34,24 @@ class DeviceHealthPass(Regime):
     def _record_runs(self, victims: list[int], t: float, failed: bool, oom: bool) -> None:
         raise NotImplementedError
 
-    def _device_health(self, t: float, run: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
+    def _device_health(self, t: float, run: np.ndarray, compute_s: np.ndarray) -> None:
+        """Device health on each worker's compute time (the probe's ``compute_ms_p50``): a slow or jittery link makes
+        a worker's syncs slower, not its compute, and follows the worker, so it is no evidence against a card."""
         sim, lay = self.sim, self.sim.layout
         slow: set[int] = set()
         judged: set[int] = set()
         groups = np.unique(sim.group_of[run])
         if len(groups):
             n = sim.n
-            step_ms = ((compute_s + latency_ms / 1000.0 / sim.accum) * 1000.0).reshape(sim.G, n)
-            lat = latency_ms.reshape(sim.G, n)
-            candidates = groups if self.reference else groups[self._may_have_outliers(groups, step_ms, lat)]
+            compute_ms = (compute_s * 1000.0).reshape(sim.G, n)
+            candidates = groups if self.reference else groups[self._may_have_outliers(groups, compute_ms)]
             for g in candidates.tolist():
                 samples = [
                     PeerSample(
                         str(w),
                         "learner" if sim.is_learner[w] else "actor",
                         self.pool_names[g],
-                        {"step_ms_mean": float(step_ms[g, i]), "sync_latency_ms_p50": float(lat[g, i])},
+                        {"compute_ms_p50": float(compute_ms[g, i])},
                     )
                     for i, w in enumerate(range(g * n, (g + 1) * n))
                 ]
@@ -60,7 +61,7 @@ class DeviceHealthPass(Regime):
                     judged |= {int(w) for w in judged_workers(samples, report, self.fleet_config)}
         card_of_run = sim.slot_of[run] // lay.workers_per_gpu
         if not self.reference:
-            # Fast path, exact: every worker of a running group reports both speed features, so a role's peer
+            # Fast path, exact: every worker of a running group reports the compute feature, so a role's peer
             # count is its size and judged_workers() is every worker of a role with >= min_peers members (the
             # reference mode computes it from the comparison; tests/unit/sim compares the two). And the tracker
             # reads a healthy card's occupancy only for whether all its judged workers are slow, which needs a slow
@@ -86,7 +87,7 @@ class DeviceHealthPass(Regime):
         self.degraded[card] = health is DeviceHealth.DEGRADED
         self.probation[card] = health is DeviceHealth.PROBATION
 
-    def _may_have_outliers(self, groups: np.ndarray, step_ms: np.ndarray, lat: np.ndarray) -> np.ndarray:
+    def _may_have_outliers(self, groups: np.ndarray, compute_ms: np.ndarray) -> np.ndarray:
         """Which groups ``compare`` could flag anyone in (an exact pre-filter, vectorized over groups): an outlier's
         excess over its role's median must exceed the feature's floors, so a group whose largest excess does not
         cannot have one. Comparing only the others gives the same flags for a fraction of the cost."""
@@ -96,7 +97,7 @@ class DeviceHealthPass(Regime):
         for lo, hi in ((0, learners), (learners, self.sim.n)):
             if hi - lo < self.fleet_config.min_peers:
                 continue
-            for name, values in (("step_ms_mean", step_ms), ("sync_latency_ms_p50", lat)):
+            for name, values in (("compute_ms_p50", compute_ms),):
                 spec = specs.get(name)
                 if spec is None:
                     continue

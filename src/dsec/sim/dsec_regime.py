@@ -57,9 +57,10 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.quota_config = QuotaConfig(
             step_gb=1.0 * sc.sample_interval_s / CONTROL_QUOTA_INTERVAL_S, ramp_horizon_s=2 * sc.sample_interval_s
         )
-        self.fleet_config = FleetConfig(
-            features=tuple(f for f in DEFAULT_FEATURES if f.name in ("step_ms_mean", "sync_latency_ms_p50"))
-        )
+        # The simulator compares workers for device health only, so only on the compute features it judges cards by
+        # (SLOW_FEATURES); a worker's compute here is its step time on its card (throttling included), without the
+        # link's latency or jitter — what the probe's compute_ms_p50 measures.
+        self.fleet_config = FleetConfig(features=tuple(f for f in DEFAULT_FEATURES if f.name == "compute_ms_p50"))
         self.health_config = DeviceHealthConfig()
 
     def attach(self, sim: Simulation) -> None:
@@ -157,7 +158,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             if self.sc.dsec.breaker:
                 self._breakers(k, t, run, mem, latency_ms)
         if self.sc.dsec.device_health:
-            self._device_health(t, run, compute_s, latency_ms)
+            self._device_health(t, run, compute_s)
         if self.engine is not None and k % self.policy_every == 0:
             self._policies(t, mem)
 

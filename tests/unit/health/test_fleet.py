@@ -127,6 +127,7 @@ def test_report_to_dict_and_order_are_stable() -> None:
 def test_default_features_cover_the_probe_metrics() -> None:
     assert {f.name: f.direction for f in DEFAULT_FEATURES} == {
         "step_ms_mean": "high",
+        "compute_ms_p50": "high",
         "sync_lag_ms_p50": "high",
         "sync_latency_ms_p50": "high",
         "episode_length_cv": "high",

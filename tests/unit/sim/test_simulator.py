@@ -449,19 +449,22 @@ def test_quota_limits_let_a_burst_use_free_memory_the_first_design_failed_it() -
 
 
 def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_ooms() -> None:
-    # Four workers of 14 GB per 64 GB card, 6 GB bursts ramping over 30 s, 6 an hour each: two bursts at once fill a
-    # card. The design study (dsec.quota.relief): accumulation for the steepest-ramping worker once the card's
-    # projection overflows; under accumulation a burst is half as large (the scenario's assumption).
-    busy = {
-        **QUIET,
-        "duration_h": 2.0,
-        "cluster": {**QUIET["cluster"], "gpu_memory_gb": 64},
-        "groups": {**QUIET["groups"], "memory": {"base_gb": 14, "burst_per_h": 6, "burst_gb": 6, "burst_ramp_s": 30}},
-    }
-    ooms = {}
-    for relief in (False, True):
-        _, o = run_one(small(**busy, dsec={"memory_relief": relief}), "dsec")
-        ooms[relief] = sum(1 for i in o.interruptions if i.cause == "oom")
-        if relief:
-            assert o.decisions.get("memory_relief", 0) > 0
+    # The design study (dsec.quota.relief) on the scenario its figures come from (rl-128: four 14 GB workers per
+    # 80 GB card, bursts up to ~25 GB), 2 h, seeds 7/8/9: accumulation for the steepest-ramping worker once the
+    # card's projection overflows; under accumulation a burst is half as large (the scenario's assumption). A
+    # smaller scenario whose cards overflow with two 6 GB bursts showed no effect (halving one burst does not fit
+    # them: 56 + 6 + 3 > 64 GB) — and before device health judged compute only, its apparent effect there came with
+    # spurious migrations.
+    ooms = {False: 0, True: 0}
+    relieved = 0
+    for seed in (7, 8, 9):
+        for relief in (False, True):
+            sc = load_scenario(SCENARIOS / "rl-128.yaml").model_copy(
+                update={"duration_h": 2.0, "seed": seed}
+            )
+            sc = sc.model_copy(update={"dsec": sc.dsec.model_copy(update={"memory_relief": relief})})
+            o = simulate(sc, regimes=("dsec",)).outcomes["dsec"]
+            ooms[relief] += sum(1 for i in o.interruptions if i.cause == "oom")
+            relieved += o.decisions.get("memory_relief", 0) if relief else 0
+    assert relieved > 0
     assert ooms[False] > 0 and ooms[True] < ooms[False], ooms
