@@ -26,6 +26,7 @@ SCENES = (
     "state snapshots",
     "restart from snapshots",
     "healing",
+    "actor restart",
     "training processes finished cleanly",
     "simulator",
 )

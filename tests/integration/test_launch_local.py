@@ -114,6 +114,68 @@ def test_kill_one_rank_restarts_the_group_from_snapshots(cp: Harness, tmp_path: 
         sup.stop()
 
 
+ACTOR = Path(__file__).resolve().parents[1] / "fixtures" / "env_actor.py"
+
+
+def test_a_dead_actor_restarts_alone_and_the_learner_is_not_rolled_back(cp: Harness, tmp_path: Path) -> None:
+    """``role: actor`` groups restart per worker (``restart_scope`` defaults to ``worker`` for actors): an env runner
+    killed -9 is started again alone; its fellow actors and the learner keep their processes and their progress."""
+    stop = tmp_path / "stop"
+    env = {"DSEC_HEARTBEAT_INTERVAL": "0.2", "OMP_NUM_THREADS": "1"}
+    job = JobFile.model_validate(
+        {
+            "job": "impala",
+            "pool": "pool-a",
+            "snapshots": {"dir": str(tmp_path / "snaps"), "interval_s": 1},
+            "restart": {"max_restarts": 2, "resume_timeout_s": 60},
+            "groups": [
+                {"name": "learners", "world_size": 1, "memory_gb": 1, "env": env,
+                 "command": [sys.executable, str(FIXTURE), "--stop-file", str(stop)]},
+                {"name": "actors", "role": "actor", "world_size": 3, "memory_gb": 1, "env": env,
+                 "command": [sys.executable, str(ACTOR), "--stop-file", str(stop)]},
+            ],
+        }
+    )  # fmt: skip
+    assert [g.scope for g in job.groups] == ["group", "worker"]
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                     poll_s=0.02, on_recovery=recoveries.append)  # fmt: skip
+
+    def learner_updates() -> float:
+        ws = [w for w in cp.admin.workers(pool="pool-a") if w["group"] == "learners" and w["state"] == "active"]
+        return max((float(w["metrics"].get("updates_total", 0)) for w in ws), default=0.0)
+
+    try:
+        sup.start()
+        supervise_until(sup, lambda: learner_updates() > 5 and len(cp.admin.workers(pool="pool-a")) == 4, 90,
+                        "the learner training and three actors registered")  # fmt: skip
+        before = {**launcher.pids("actors"), **launcher.pids("learners")}
+        t_kill = time.time()
+        os.kill(before["actors-1"], signal.SIGKILL)
+        supervise_until(sup, lambda: recoveries, 60, "the actor's recovery")
+        (rec,) = recoveries
+        assert rec.mode == "worker" and rec.worker == "actors-1" and rec.code == -signal.SIGKILL
+        assert 0 <= rec.detected_at - t_kill < 1.0
+        assert rec.resumed_at is not None and rec.resumed_at > rec.spawned_at  # the new process's registration
+        after = {**launcher.pids("actors"), **launcher.pids("learners")}
+        assert after["actors-1"] != before["actors-1"]
+        assert {k: v for k, v in after.items() if k != "actors-1"} == {
+            k: v for k, v in before.items() if k != "actors-1"
+        }
+        (ev,) = cp.admin.all_events(types=["recovery"])
+        assert ev["data"]["mode"] == "worker" and ev["data"]["healthy_ranks_restarted"] == 0
+        assert {"detect_s", "restart_s", "total_s"} <= set(ev["data"])
+        # The learner was not restarted: one registration, no restore, its update count only grew.
+        learners = [w for w in cp.admin.workers(pool="pool-a") if w["group"] == "learners"]
+        assert len(learners) == 1 and not cp.admin.all_events(types=["restore"], worker_id=learners[0]["id"])
+        assert sup.restarts == {"learners": 0, "actors": 1}
+        stop.touch()
+        assert sup.run(timeout_s=60), sup.failed
+    finally:
+        sup.stop()
+
+
 def test_a_degraded_device_moves_its_group(cp: Harness, tmp_path: Path) -> None:
     job = job_file(tmp_path)
     launcher = LocalLauncher(log_dir=tmp_path / "logs")

@@ -37,7 +37,7 @@ from dsec.demo import simulation as simulation_scene
 from dsec.demo import snapshots as snapshot_scenes
 from dsec.demo.processes import ppo_result, spawn
 from dsec.demo.scenes import CHAOS_ACTOR, HEADLINE_METRICS, SCENES, Scene, chaos_for_learners
-from dsec.demo.state import HEARTBEAT_S, POOL, DemoRun, Proc
+from dsec.demo.state import ACTOR_POOL, HEARTBEAT_S, POOL, DemoRun, Proc
 from dsec.demo.summary import summary
 from dsec.render import events_table, pools_table, workers_table
 
@@ -188,6 +188,11 @@ def _restart_and_heal(
     scenes_ok[restore_title] = snapshot_scenes.restored(run) and keeps_learning
     scenes_ok["healing: a rank killed -9 -> replaced in place, its peer never stopped, replicas identical"] = (
         recovery_phase.recovered(run, result)
+    )
+    run.console.print("two env runners under the supervisor; killing one (-9): it restarts alone")
+    actors = recovery_phase.actor_restart(run, ACTOR_POOL, run.state["endpoint"], home)
+    scenes_ok["actor restart: an env runner killed -9 restarts alone, the other runs on"] = (
+        recovery_phase.actor_restarted(run, actors)
     )
     scenes_ok["training processes finished cleanly"] = learners_ok
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 # Healing admits a replacement where the script's loop starts over; the group must have seen its loop a few times
 # first (heal/sequence.py): a PPO update is 32 gradient syncs + 1 all-reduce here, so ~4 updates of every rank.
 WARM_STEPS = 140
+ACTORS = 2  # env runners of the actor-restart scene's job (it kills one)
 
 
 def _snapshots_since(run: DemoRun, since: float) -> set[str]:
@@ -122,6 +123,83 @@ def supervised_recovery(
     return out
 
 
+def actor_restart(run: DemoRun, pool: str, endpoint: str, home: Path) -> dict[str, Any]:
+    """A job of two env runners (``role: actor``: ``restart_scope`` worker) under the supervisor in ``pool``; once
+    both report, actor 1 is killed -9: it restarts alone, actor 0 keeps its process and its env steps."""
+    stop = home / "actors-stop"
+    job = JobFile.model_validate(
+        {
+            "job": "demo-actors",
+            "pool": pool,
+            "snapshots": {"enabled": False},
+            "restart": {"max_restarts": 1, "resume_timeout_s": 30},
+            "groups": [
+                {
+                    "name": "actors",
+                    "role": "actor",
+                    "world_size": ACTORS,
+                    "memory_gb": 1,
+                    "env": {"DSEC_HEARTBEAT_INTERVAL": "0.5"},
+                    # A pause after each step leaves the 2-core machine to the rest of the demo.
+                    "command": [sys.executable, "-m", "dsec.demo.workload", "600", "--pause", "0.002",
+                                "--stop-file", str(stop)],
+                }
+            ],
+        }
+    )  # fmt: skip
+    launcher = LocalLauncher(log_dir=home / "launch-actors")
+    recoveries: list[Recovery] = []
+    token = run.client.create_token(pool)
+    sup = Supervisor(job, launcher, client=run.client, endpoint=endpoint, pool_token=token, poll_s=0.02,
+                     on_recovery=recoveries.append)  # fmt: skip
+
+    def env_steps() -> dict[int, float]:
+        ws = [w for w in run.client.workers(pool=pool) if w["state"] == "active" and w["group"] == "actors"]
+        return {int(w["rank"]): float(w["metrics"].get("env_steps_total", 0)) for w in ws}
+
+    out: dict[str, Any] = {}
+    try:
+        sup.start()
+        _wait(sup, lambda: len(env_steps()) == ACTORS and min(env_steps().values()) > 0, 30)
+        before, steps_before = launcher.pids("actors"), env_steps()
+        t_kill = time.time()
+        os.kill(before["actors-1"], signal.SIGKILL)
+        _wait(sup, lambda: recoveries, 30)
+        after = launcher.pids("actors")
+        if recoveries:
+            rec = recoveries[0]
+            out["recovery"] = {**rec.timings(), "total_from_kill_s": round((rec.resumed_at or t_kill) - t_kill, 3)}
+        out["replaced"] = after.get("actors-1") not in (None, before["actors-1"])
+        out["others_kept"] = {w: after.get(w) == pid for w, pid in before.items() if w != "actors-1"}
+        _wait(sup, lambda: env_steps().get(0, 0.0) > steps_before.get(0, 0.0), 10)
+        out["actor0_steps"] = (steps_before.get(0), env_steps().get(0))
+        stop.touch()
+        out["finished"] = sup.run(timeout_s=30)
+    finally:
+        sup.stop()
+    return out
+
+
+def actor_restarted(run: DemoRun, a: dict[str, Any]) -> bool:
+    rec = a.get("recovery") or {}
+    kept = a.get("others_kept") or {}
+    b, b2 = a.get("actor0_steps") or (None, None)
+    if not rec:
+        run.notes.append("actor restart: no recovery recorded for the killed actor")
+        return False
+    run.notes.append(
+        f"kill -9 of env runner {rec['worker']}: detected in {rec['detect_s'] * 1e3:.0f} ms, restarted alone (mode "
+        f"{rec.get('mode')}, {rec.get('healthy_ranks_restarted')} others restarted), registered again "
+        f"{rec.get('total_from_kill_s', float('nan')):.1f} s after the kill; actor 0 kept its process and stepped on "
+        f"({b} -> {b2} env steps)"
+    )
+    grew = b is not None and b2 is not None and b2 > b
+    back = rec.get("total_from_kill_s", 0.0) > 0  # the new process registered (not the killed one's registration)
+    return (
+        rec.get("mode") == "worker" and bool(a.get("replaced")) and bool(kept) and all(kept.values()) and grew and back
+    )
+
+
 def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: Path, journal: Path) -> JobFile:
     """The PPO learners as one healing group ``default`` (the names the first run's snapshots carry), training until
     ``stop`` exists."""
@@ -141,7 +219,7 @@ def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: P
                     "env": {"DSEC_HEAL_JOURNAL": str(journal), "PYTHONFAULTHANDLER": "1"},
                     "command": [sys.executable, script, "--seed", "1", "--max-seconds", "60", "--log-every", "0",
                                 "--target-return", "100000", "--stop-file", str(stop)],
-                }
+                },
             ],
         }
     )  # fmt: skip

@@ -13,6 +13,7 @@ from rich.console import Console
 from dsec.client import Client
 
 POOL = "pool-0"
+ACTOR_POOL = "pool-1"  # the actor-restart scene's job (two devices of its own: a device runs one worker)
 HEARTBEAT_S = 0.25
 
 

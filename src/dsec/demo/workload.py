@@ -4,13 +4,16 @@ Plain PyTorch + gymnasium with no DSec import: the demo starts it under ``dsec r
 its environment steps and episodes through gymnasium's ``make``. It can be killed at any time (it takes
 part in no collective), which is how the demo shows a worker going ``lost``.
 
-Run: ``python -m dsec.demo.workload [seconds]``.
+Run: ``python -m dsec.demo.workload [seconds] [--stop-file F] [--pause S]`` (``--pause``: seconds to sleep after each
+step, for actors that must leave the machine to the learners; it stops early once ``F`` exists).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+from pathlib import Path
 
 import gymnasium as gym
 import torch
@@ -18,7 +21,12 @@ from torch import nn
 
 
 def main(argv: list[str]) -> int:
-    seconds = float(argv[1]) if len(argv) > 1 else 20.0
+    ap = argparse.ArgumentParser(prog="python -m dsec.demo.workload")
+    ap.add_argument("seconds", nargs="?", type=float, default=20.0)
+    ap.add_argument("--stop-file", type=Path, default=None)
+    ap.add_argument("--pause", type=float, default=0.0)
+    args = ap.parse_args(argv[1:])
+    seconds = args.seconds
     torch.set_num_threads(1)
     torch.manual_seed(99)
     policy = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
@@ -30,9 +38,13 @@ def main(argv: list[str]) -> int:
             logits = policy(torch.as_tensor(obs, dtype=torch.float32))
             action = int(torch.distributions.Categorical(logits=logits).sample())
             obs, _, terminated, truncated, _ = env.step(action)
+            if args.pause:
+                time.sleep(args.pause)
             if terminated or truncated:
                 obs, _ = env.reset()
                 time.sleep(0.01)  # an actor shares the machine with the learners
+                if args.stop_file is not None and args.stop_file.exists():
+                    break
     return 0
 
 

@@ -38,6 +38,9 @@ class Exit:
 
 class Launcher(Protocol):
     name: str
+    # Whether start() takes one worker of a group whose other workers run (a heal's replacement, a worker restarted
+    # alone); when False the supervisor restarts the whole group instead.
+    starts_single_workers: bool
 
     def start(self, workers: list[WorkerLaunch]) -> None: ...
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsec.scheduler.placement import GroupSpec, JobSpec, WorkerSpec
 from dsec.yamlconf import load_file
@@ -70,7 +70,27 @@ class GroupFile(_Strict):
     replay_share: bool = False
     # Heal in place: a dead rank is replaced without stopping its peers (docs/healing.md); gloo DDP jobs only.
     heal: bool = False
+    # What a dead process takes down: ``group`` — every rank restarts from the group's agreed snapshots (ranks that
+    # share a process group, e.g. DDP learners); ``worker`` — only that process restarts, from its own newest
+    # snapshot, its peers keep running (independent processes: env runners, actors). Default: ``worker`` for
+    # ``role: actor``, else ``group``.
+    restart_scope: Literal["group", "worker"] | None = None
     env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _scope_fits(self) -> GroupFile:
+        if self.heal and self.restart_scope == "worker":
+            raise ValueError(
+                "restart_scope: 'worker' restarts one process and leaves its peers alone; heal: true is for ranks "
+                "that share a process group (a replacement joins it). Choose one"
+            )
+        return self
+
+    @property
+    def scope(self) -> Literal["group", "worker"]:
+        if self.restart_scope is not None:
+            return self.restart_scope
+        return "worker" if self.role == "actor" and not self.heal else "group"
 
 
 class JobFile(_Strict):

@@ -61,6 +61,7 @@ class _Proc:
 
 class LocalLauncher:
     name = "local"
+    starts_single_workers = True
 
     def __init__(
         self,

@@ -73,6 +73,9 @@ class RayLauncher:
     """Launches placed workers as Ray actors in per-group placement groups pinned to DSec's nodes by label."""
 
     name = "ray"
+    # A group is one placement group, started whole (start() refuses a group that runs): a worker restarted alone
+    # would need a bundle of the running group's placement group. Not built; the group restarts instead.
+    starts_single_workers = False
     reattach_s = 1.0  # an unavailable actor is asked again for its command's exit at most this often
     unavailable_s = 60.0  # ... and counted lost (Exit(code=None)) after this long
 

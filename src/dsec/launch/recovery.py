@@ -1,6 +1,6 @@
-"""A recovery of a supervised worker group, timed in phases (supervisor.py): a restart (``detect_s``, ``stop_s``,
-``restart_s``, ``restore_s``, ``total_s``) or a heal in place (``detect_s``, ``reconfigure_s``, ``rejoin_s``,
-``total_s``), as the ``recovery`` event records them."""
+"""A recovery of a supervised worker group, timed in phases (supervisor.py): a restart of the group or of one worker
+(``detect_s``, ``stop_s``, ``restart_s``, ``restore_s``, ``total_s``) or a heal in place (``detect_s``,
+``reconfigure_s``, ``rejoin_s``, ``total_s``), as the ``recovery`` event records them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Recovery:
     restore_s: float | None = None
     restored: list[str] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)
-    mode: str = "restart"  # restart | heal
+    mode: str = "restart"  # restart (the group) | heal | worker (the dead process alone: restart_scope worker)
     run: str | None = None  # heal: the healing run
     reconfigured_at: float | None = None  # heal: the survivors' epoch without the dead rank formed
     epoch: int | None = None  # heal: the epoch that admitted the replacement
@@ -42,6 +42,8 @@ class Recovery:
             "stop_s": round(self.stopped_at - self.detected_at, 4),
             "devices": self.devices,
         }
+        if self.mode == "worker":
+            out.update(mode="worker", healthy_ranks_restarted=0)
         if self.resumed_at is not None:
             out["restart_s"] = round(self.resumed_at - (self.restore_s or 0.0) - self.spawned_at, 4)
             out["restore_s"] = round(self.restore_s or 0.0, 4)

@@ -76,6 +76,8 @@ class Supervisor:
         self.recoveries: list[Recovery] = []
         self._pending: dict[str, Recovery] = {}  # group -> recovery waiting for its restores
         self._healing: dict[str, Recovery] = {}  # worker -> heal waiting for its replacement's admission
+        # worker -> its restart alone, waiting for it to register (with the ids it had registered under before)
+        self._restarting: dict[str, tuple[Recovery, set[str] | None]] = {}
         self.runs: dict[str, str] = {}  # healing group -> its current healing run
         self._live: dict[str, set[str]] = {}  # group -> workers started and not exited
         self._unmovable: dict[str, list[str]] = {}  # group -> degraded devices it could not be moved off
@@ -140,6 +142,7 @@ class Supervisor:
         if self.client is not None:
             try:
                 self._check_resumed()
+                self._check_restarted_workers()
                 if now - self._last_device_check >= self.device_check_s:
                     self._last_device_check = now
                     self._check_devices()
@@ -155,6 +158,7 @@ class Supervisor:
             all(sum(1 for w in self.done if w.rsplit("-", 1)[0] == g) >= total[g] for g in live)
             and not self._pending
             and not self._healing
+            and not self._restarting
         )
 
     def run(self, timeout_s: float | None = None) -> bool:
@@ -188,6 +192,9 @@ class Supervisor:
             self.died_after_end[e.worker] = e.code
             self.done.add(e.worker)
             return
+        if self._group(e.group).scope == "worker" and self.launcher.starts_single_workers:
+            self._restart_worker(e, detect_s)
+            return
         waiting = {w for w, r in self._healing.items() if r.group == e.group}
         members = self._live.get(e.group, set()) - waiting - {e.worker}
         # Healing needs a live member to carry the state: with none left (every rank died, or the ranks stopped
@@ -216,6 +223,10 @@ class Supervisor:
     def _heal(self, e: Exit, detect_s: float) -> bool:
         """Replace the dead rank in place (its peers keep training). False: the group must restart instead."""
         if self.heal_client is None:
+            return False
+        if not self.launcher.starts_single_workers:  # (the Ray launcher starts a group whole)
+            log.warning("group %s: the %s launcher cannot start one rank of a running group; restarting the group",
+                        e.group, self.launcher.name)  # fmt: skip
             return False
         rank = int(e.worker.rsplit("-", 1)[1])
         rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="heal", run=self.runs[e.group])
@@ -310,6 +321,58 @@ class Supervisor:
             self._complete(rec)
         else:
             self._pending[group] = rec
+
+    def _restart_worker(self, e: Exit, detect_s: float) -> None:
+        """``restart_scope: worker``: start the dead process again, from its own newest snapshot; its peers keep
+        running (nothing of theirs is stopped or rolled back)."""
+        rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="worker")
+        rec.stopped_at = time.time()  # nothing to stop
+        log.warning("group %s: %s exited with %s; restarting it alone", e.group, e.worker, e.code)
+        if self.restarts[e.group] >= self.job.restart.max_restarts:
+            self.failed[e.group] = f"{e.worker} exited with {e.code}; {self.restarts[e.group]} restarts already"
+            log.error("group %s given up: %s", e.group, self.failed[e.group])
+            return
+        self.restarts[e.group] += 1
+        self.done.discard(e.worker)
+        rank = int(e.worker.rsplit("-", 1)[1])
+        # The registrations this worker had so far: the restarted process is the one that is not among them (a
+        # registration time would need the supervisor's and the control plane's clocks to agree).
+        known: set[str] | None = None
+        if self.client is not None:
+            try:
+                known = {str(w["id"]) for w in self._registrations(e.group, rank)}
+            except ClientError as exc:  # unreachable now: then by registration time, after the spawn
+                log.warning("group %s: cannot read %s's registrations (%s)", e.group, e.worker, exc)
+        launches = self._launches(e.group, restore=True, ranks=[rank])
+        rec.devices = {w.worker: str(w.device) for w in launches}
+        self._spawn(launches)
+        rec.spawned_at = time.time()
+        if self.client is None:
+            self._complete(rec)
+        else:
+            self._restarting[e.worker] = (rec, known)
+
+    def _registrations(self, group: str, rank: int) -> list[dict[str, Any]]:
+        return [w for w in self.client.workers(pool=self.job.pool) if w.get("group") == group and w.get("rank") == rank]
+
+    def _check_restarted_workers(self) -> None:
+        """A restarted worker has resumed once its new process registered with the control plane (its restore, if
+        it had a snapshot to restore, is its ``restore`` event's)."""
+        for name, (rec, known) in list(self._restarting.items()):
+            new = [
+                w
+                for w in self._registrations(rec.group, int(name.rsplit("-", 1)[1]))
+                if (str(w["id"]) not in known if known is not None else float(w["registered_at"]) >= rec.spawned_at)
+            ]
+            if new:
+                rec.resumed_at = min(float(w["registered_at"]) for w in new)
+                del self._restarting[name]
+                self._complete(rec)
+            elif time.time() - rec.spawned_at > self.job.restart.resume_timeout_s:
+                log.warning("group %s: %s's restart not registered within %.0f s", rec.group, name,
+                            self.job.restart.resume_timeout_s)  # fmt: skip
+                del self._restarting[name]
+                self._complete(rec)
 
     def _check_resumed(self) -> None:
         for group, rec in list(self._pending.items()):

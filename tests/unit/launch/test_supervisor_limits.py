@@ -40,6 +40,7 @@ class Launcher:
     exit_code: Callable[[WorkerLaunch, int], int | None]
     clock: Clock
     name: str = "scripted"
+    starts_single_workers: bool = True
     starts: list[list[WorkerLaunch]] = field(default_factory=list)
     stopped: list[str] = field(default_factory=list)
     _due: list[Exit] = field(default_factory=list)
@@ -159,3 +160,60 @@ def test_restores_never_reported_close_the_recovery_after_resume_timeout(clock: 
     assert rec.resumed_at is None and "total_s" not in timings  # closed unresumed, not timed as a recovery
     assert cp.recorded == [("recovery", {"job": "j", **timings})]
     assert sup.failed == {} and sup.restarts == {"g": 1}
+
+
+def actor_job(**restart: Any) -> JobFile:
+    return JobFile.model_validate(
+        {
+            "job": "j",
+            "pool": "pool-a",
+            "snapshots": {"enabled": False},
+            "restart": restart,
+            "groups": [{"name": "a", "role": "actor", "world_size": 3, "command": ["act"]}],
+        }
+    )
+
+
+def test_an_actor_that_keeps_failing_restarts_alone_until_max_restarts(clock: Clock) -> None:
+    # restart_scope defaults to worker for actors: actor 1 crashes in every incarnation, the others run on.
+    launcher = Launcher(lambda w, _: 1 if w.rank == 1 else None, clock)
+    sup = Supervisor(actor_job(max_restarts=2), launcher)
+    sup.start()
+    assert sup.run(timeout_s=30) is False
+    assert sup.failed == {"a": "a-1 exited with 1; 2 restarts already"}
+    assert [[w.worker for w in s] for s in launcher.starts] == [["a-0", "a-1", "a-2"], ["a-1"], ["a-1"]]
+    assert all("DSEC_RESTORE" in w.env for s in launcher.starts[1:] for w in s)  # its own newest snapshot
+    assert launcher.stopped == []  # nobody else was stopped
+    assert [(r.mode, r.worker) for r in sup.recoveries] == [("worker", "a-1")] * 2
+
+
+def test_a_restarted_worker_that_never_registers_is_closed_after_resume_timeout(clock: Clock) -> None:
+    cp = ControlPlane()
+    launcher = Launcher(lambda w, n: 1 if (n, w.rank) == (0, 2) else None, clock)
+    sup = Supervisor(actor_job(resume_timeout_s=30), launcher, client=cp, device_check_s=1e9)
+    sup.start()
+    sup.step()
+    assert [[w.worker for w in s] for s in launcher.starts][1:] == [["a-2"]] and not sup.finished()
+    clock.now += 31.0
+    sup.step()
+    [rec] = sup.recoveries
+    assert rec.resumed_at is None and cp.recorded == [("recovery", {"job": "j", **rec.timings()})]
+    assert rec.timings()["mode"] == "worker"
+
+
+def test_heal_and_worker_scope_cannot_be_combined() -> None:
+    with pytest.raises(ValueError, match=r"restart_scope: 'worker'.*heal: true"):
+        JobFile.model_validate(
+            {"job": "j", "pool": "p", "groups": [
+                {"name": "g", "heal": True, "restart_scope": "worker", "command": ["x"]}
+            ]}
+        )  # fmt: skip
+
+
+def test_a_launcher_that_starts_groups_whole_restarts_the_actor_group(clock: Clock) -> None:
+    launcher = Launcher(lambda w, n: 1 if (n, w.rank) == (0, 1) else None, clock, starts_single_workers=False)
+    sup = Supervisor(actor_job(max_restarts=1), launcher)
+    sup.start()
+    sup.step()
+    assert launcher.stopped == ["a"] and [len(s) for s in launcher.starts] == [3, 3]
+    assert [r.mode for r in sup.recoveries] == ["restart"]

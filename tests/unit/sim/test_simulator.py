@@ -459,9 +459,7 @@ def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_oo
     relieved = 0
     for seed in (7, 8, 9):
         for relief in (False, True):
-            sc = load_scenario(SCENARIOS / "rl-128.yaml").model_copy(
-                update={"duration_h": 2.0, "seed": seed}
-            )
+            sc = load_scenario(SCENARIOS / "rl-128.yaml").model_copy(update={"duration_h": 2.0, "seed": seed})
             sc = sc.model_copy(update={"dsec": sc.dsec.model_copy(update={"memory_relief": relief})})
             o = simulate(sc, regimes=("dsec",)).outcomes["dsec"]
             ooms[relief] += sum(1 for i in o.interruptions if i.cause == "oom")
