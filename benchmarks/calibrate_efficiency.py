@@ -22,9 +22,12 @@ Per run: env steps (over both ranks) until the mean return of the last 20 finish
 wall seconds (secondary: the machine is shared). Per configuration: median, min and max env steps to target over
 the seeds; runs that did not reach the target within ``--total-steps`` count as needing more than the limit (they
 sort last for the median) and are reported in ``not_reached``; ``efficiency`` = median(uncompressed steps) /
-median(config steps) (< 1: less learning per sample). ``resolved``: the config's range of steps over the seeds does
-not overlap the uncompressed one's (the difference is larger than the seed-to-seed spread); ``paired_ratios``:
-uncompressed steps / config steps seed by seed.
+median(config steps) (< 1: less learning per sample). How far to trust it, against the seed-to-seed spread:
+``paired_ratios`` (uncompressed steps / config steps, seed by seed), ``sign_test_p`` (two-sided exact sign test of
+those ratios against 1: under "the setting makes no difference" either run of a seed is as likely to be faster),
+``efficiency_ci90`` (5th-95th percentile of the efficiency over 2,000 bootstrap resamples of each configuration's
+seeds, fixed RNG seed) and ``separated`` (the two ranges of steps do not overlap). ``resolved`` = sign_test_p < 0.05
+and the 90% interval excludes 1: only then is the measured efficiency different from 1 beyond the spread.
 
 Not calibrated here: the paused-actor fraction. The example has no separate actor processes: each rank collects its
 own rollouts and learns from them in the same process, so there is no actor whose sampling the breaker could pause
@@ -43,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -81,13 +85,45 @@ def efficiency(base_median: float, config_median: float) -> float | None:
     return base_median / config_median
 
 
+def sign_test_p(ratios: Sequence[float]) -> float | None:
+    """Two-sided exact sign test of paired ratios against 1 (ties dropped); None without a pair."""
+    above = sum(1 for r in ratios if r > 1.0)
+    below = sum(1 for r in ratios if r < 1.0)
+    n = above + below
+    if n == 0:
+        return None
+    k = min(above, below)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
+
+
+def bootstrap_ci(
+    base: Sequence[int | None], config: Sequence[int | None], n: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """5th and 95th percentile of ``efficiency`` over resamples (with replacement) of each configuration's runs; a
+    resample whose config median is not finite counts as efficiency 0 (and one whose baseline median is not finite
+    as +inf). None when either side is empty."""
+    if not base or not config:
+        return None
+    rng = random.Random(seed)
+    effs: list[float] = []
+    for _ in range(n):
+        b = median_steps(rng.choices(list(base), k=len(base)))
+        c = median_steps(rng.choices(list(config), k=len(config)))
+        effs.append(0.0 if not math.isfinite(c) else (math.inf if not math.isfinite(b) else b / c))
+    effs.sort()
+    return effs[int(0.05 * (n - 1))], effs[int(0.95 * (n - 1))]
+
+
 def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> dict[str, dict[str, Any]]:
     """Per configuration, from run records {"config", "seed", "reached", "env_steps", ...}.
 
     ``steps_to_target`` per seed (None: not reached); ``median``/``min``/``max`` over the reached runs' steps
     (``median`` treats unreached runs as +inf, see ``median_steps``; None where it is not finite); ``not_reached``;
-    ``efficiency`` against ``baseline``; ``paired_ratios`` (baseline steps / config steps for each seed both reached);
-    ``resolved`` (the reached ranges do not overlap, and no run of either failed)."""
+    ``efficiency`` against ``baseline``; ``paired_ratios`` (baseline steps / config steps for each seed both reached,
+    an unreached config run counting as ratio 0); ``sign_test_p``; ``efficiency_ci90``; ``separated`` (the reached
+    ranges do not overlap, and no run of either failed); ``resolved`` (sign_test_p < 0.05 and the interval
+    excludes 1)."""
     by_config: dict[str, list[Mapping[str, Any]]] = {}
     for r in runs:
         by_config.setdefault(str(r["config"]), []).append(r)
@@ -104,12 +140,14 @@ def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> di
         med = median_steps(steps)
         eff = efficiency(base_med, med)
         paired = [
-            round(base[s] / per_seed[s], 3)  # type: ignore[operator]
+            round(base[s] / per_seed[s], 3) if per_seed[s] is not None else 0.0  # type: ignore[operator]
             for s in seeds
-            if base.get(s) is not None and per_seed[s] is not None
+            if base.get(s) is not None
         ]
         base_reached = [s for s in base.values() if s is not None]
-        resolved = (
+        p = sign_test_p(paired) if c != baseline else None
+        ci = bootstrap_ci(list(base.values()), steps) if c != baseline else None
+        separated = (
             c != baseline
             and bool(reached)
             and bool(base_reached)
@@ -127,7 +165,10 @@ def summarize(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> di
             "not_reached": len(steps) - len(reached),
             "efficiency": round(eff, 3) if eff is not None else None,
             "paired_ratios": paired,
-            "resolved": resolved,
+            "sign_test_p": round(p, 4) if p is not None else None,
+            "efficiency_ci90": [round(x, 3) for x in ci] if ci is not None else None,
+            "separated": separated,
+            "resolved": p is not None and p < 0.05 and ci is not None and (ci[0] > 1.0 or ci[1] < 1.0),
             "median_updates": _median_of(rs, "updates"),
             "median_optimizer_steps": _median_of(rs, "optimizer_steps"),
             "median_seconds": _median_of(rs, "seconds"),

@@ -65,19 +65,38 @@ def test_summary_per_configuration() -> None:
     assert (four["median"], four["min"], four["max"], four["not_reached"]) == (105, 90, 130, 0)
     assert four["efficiency"] == round(110 / 105, 3)
     assert four["paired_ratios"] == [round(100 / 105, 3), round(120 / 90, 3), round(110 / 130, 3)]
-    assert four["resolved"] is False  # its range overlaps the baseline's
+    assert four["separated"] is False and four["resolved"] is False  # its range overlaps the baseline's
+    assert four["sign_test_p"] == 1.0  # one seed slower, two faster
+    lo, hi = four["efficiency_ci90"]
+    assert lo < 1.0 < hi
     assert acc["steps_to_target"] == [300, None, 250] and acc["not_reached"] == 1
     assert (acc["median"], acc["min"], acc["max"]) == (300, 250, 300)
     assert acc["efficiency"] == round(110 / 300, 3)
-    assert acc["paired_ratios"] == [round(100 / 300, 3), round(110 / 250, 3)]
-    assert acc["resolved"] is False  # a run that failed leaves the range open
+    assert acc["paired_ratios"] == [round(100 / 300, 3), 0.0, round(110 / 250, 3)]  # unreached: ratio 0
+    assert acc["separated"] is False  # a run that failed leaves the range open
+    assert acc["sign_test_p"] == 0.25 and acc["resolved"] is False  # 3 of 3 below 1 is no evidence yet
     json.dumps(out)  # the last stdout line carries it
 
 
-def test_resolved_when_the_ranges_do_not_overlap() -> None:
-    runs = [_run("uncompressed", s, n) for s, n in ((1, 100), (2, 120))]
-    runs += [_run("accum4", s, n) for s, n in ((1, 250), (2, 300))]
-    assert cal.summarize(runs)["accum4"]["resolved"] is True
+def test_resolved_when_every_seed_is_slower_and_the_interval_excludes_one() -> None:
+    base = (100, 120, 90, 200, 110, 95)
+    runs = [_run("uncompressed", s, n) for s, n in enumerate(base)]
+    runs += [_run("accum4", s, 2 * n) for s, n in enumerate(base)]
+    acc = cal.summarize(runs)["accum4"]
+    assert acc["paired_ratios"] == [0.5] * 6
+    assert acc["sign_test_p"] == round(2 / 64, 4)
+    assert acc["efficiency_ci90"][1] < 1.0
+    assert acc["resolved"] is True and acc["separated"] is False  # the ranges overlap (200 vs 180)
+    # Five seeds are not enough for the sign test at 5%, however clear the difference.
+    five = [r for r in runs if r["seed"] < 5]
+    assert cal.summarize(five)["accum4"]["resolved"] is False
+
+
+def test_sign_test() -> None:
+    assert cal.sign_test_p([]) is None
+    assert cal.sign_test_p([1.0, 1.0]) is None  # ties only
+    assert cal.sign_test_p([0.5] * 10) == 2 / 1024
+    assert cal.sign_test_p([0.5, 2.0]) == 1.0
 
 
 def test_expected_optimizer_steps_under_accumulation() -> None:
