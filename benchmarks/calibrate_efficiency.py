@@ -235,8 +235,12 @@ def run_one(admin: Any, url: str, config: str, seed: int, args: argparse.Namespa
         raise
     wall = time.monotonic() - t0
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    if not lines:
         raise RuntimeError(f"{config} seed {seed}: exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}")
+    if proc.returncode != 0:
+        # The example prints its result after training ended and the ranks compared weights: the measurement
+        # stands; what failed was the teardown. Kept, with the exit status in the record.
+        _log(f"{config} seed {seed}: exit {proc.returncode} after its result line; kept\n{err[-2000:]}")
     result = json.loads(lines[-1])
     # The probe's own view (the last beat, sent when the worker deregisters): what was in force, optimizer steps.
     metrics = {int(w.get("rank") or 0): w.get("metrics") or {} for w in admin.workers(pool=pool)}
@@ -264,6 +268,7 @@ def run_one(admin: Any, url: str, config: str, seed: int, args: argparse.Namespa
         "wall_s": round(wall, 1),
         "directive_at_s": directive_at_s,
         "replica_max_abs_diff": result.get("replica_max_abs_diff"),
+        "exit_code": proc.returncode,
     }
     return rec
 
@@ -297,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
-    if unknown or BASELINE not in configs:
-        ap.error(f"--configs: unknown {unknown} or {BASELINE!r} missing (efficiency is relative to it)")
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}")
 
     sys.path.insert(0, str(HERE))
     from _common import ServerProcess, admin_client
