@@ -16,6 +16,10 @@ Example (``examples/jobs/ppo.yaml``)::
         replay_share: false
         heal: true                       # replace a dead rank in place; its peers keep training
         command: [python, examples/ppo_cartpole_ddp.py, --max-seconds, "60"]
+      - name: actors                     # (not in ppo.yaml) independent env runners:
+        role: actor                      # restart_scope defaults to worker: a dead one restarts alone
+        world_size: 4
+        command: [python, my_env_runner.py]
 
 The control plane comes from ``--endpoint`` / ``DSEC_ENDPOINT`` and the pool token from ``DSEC_TOKEN`` (for the
 workers' probes) — the same variables ``dsec run`` uses. Errors name file, line and column.

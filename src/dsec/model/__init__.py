@@ -181,7 +181,7 @@ class Device:
 class DirectiveFields:
     """What the control plane wants a worker to do. Every field is applied by the probe at a safe point."""
 
-    # Gradient compression: None is the probe's configured default (DSEC_COMPRESSION_BITS, often 8);
+    # Gradient compression: None is the probe's configured default (DSEC_COMPRESSION_BITS, 32 unless set);
     # 32 is uncompressed float32 whatever that default is; 16, 8, 4 are those levels.
     compression_bits: int | None = None
     grad_accum_steps: int = 1
