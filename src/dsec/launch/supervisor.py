@@ -325,6 +325,8 @@ class Supervisor:
     def _restart_worker(self, e: Exit, detect_s: float) -> None:
         """``restart_scope: worker``: start the dead process again, from its own newest snapshot; its peers keep
         running (nothing of theirs is stopped or rolled back)."""
+        if e.worker in self._restarting:  # its last restart died before it registered: recorded unresumed
+            self._complete(self._restarting.pop(e.worker)[0])
         rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="worker")
         rec.stopped_at = time.time()  # nothing to stop
         log.warning("group %s: %s exited with %s; restarting it alone", e.group, e.worker, e.code)

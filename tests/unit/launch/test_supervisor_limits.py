@@ -217,3 +217,16 @@ def test_a_launcher_that_starts_groups_whole_restarts_the_actor_group(clock: Clo
     sup.step()
     assert launcher.stopped == ["a"] and [len(s) for s in launcher.starts] == [3, 3]
     assert [r.mode for r in sup.recoveries] == ["restart"]
+
+
+def test_a_worker_that_dies_again_before_it_registered_closes_its_last_restart(clock: Clock) -> None:
+    cp = ControlPlane()
+    launcher = Launcher(lambda w, n: 1 if w.rank == 0 and n < 2 else None, clock)
+    sup = Supervisor(actor_job(max_restarts=3), launcher, client=cp, device_check_s=1e9)
+    sup.start()
+    sup.step()  # the first incarnation of a-0 dies: restarted alone, waiting for its registration
+    assert sup.recoveries == []
+    sup.step()  # the restarted a-0 dies before it registered: that restart is recorded unresumed, a new one waits
+    assert [(r.mode, r.resumed_at) for r in sup.recoveries] == [("worker", None)]
+    assert [[w.worker for w in s] for s in launcher.starts][1:] == [["a-0"], ["a-0"]]
+    assert sup.restarts == {"a": 2} and not sup.finished()
