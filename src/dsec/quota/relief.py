@@ -4,7 +4,10 @@ A design study (issue 17): the simulator runs it when a scenario sets ``dsec.mem
 not issue it yet** (it would be a ``grad_accum_steps`` directive from the quota loop, merged with the breaker's: the
 larger wins). Why: most OOMs left under elastic quotas are bursts that fill a card while the card's other workers
 hold their memory (docs/benchmarks.md); a limit cannot prevent those, only less memory can, and a rollout under
-gradient accumulation uses less.
+gradient accumulation uses less — *if* the training code shrinks its micro-batch when accumulation rises: the
+probe's accumulation alone keeps the batch per backward pass, so for zero-touch training this assumption fails. With
+the measured accumulation cost (0.48 per sample) the study trades fewer OOMs for slightly less progress on rl-128
+(docs/benchmarks.md, re-run 2026-12-03); not shipped.
 
 Rule, per card, at each plan: the card's projected usage is the sum over its workers of ``used + ramp x horizon_s``.
 When it exceeds the card's memory, the steepest-ramping worker that is not accumulating already (for any reason) is
