@@ -235,16 +235,11 @@ class Supervisor:
         if view is not None and not view.get("epoch"):
             return False  # died before the group's first epoch formed: nothing to heal yet
         rec.stopped_at = time.time()
-        if self.restarts[e.group] >= self.job.restart.max_restarts:
-            self.failed[e.group] = f"{e.worker} exited with {e.code}; {self.restarts[e.group]} restarts already"
-            log.error("group %s given up: %s", e.group, self.failed[e.group])
+        if self._spent(e.group, e.worker, e.code):
             return True
-        self.restarts[e.group] += 1
         self.done.discard(e.worker)
         launches = self._launches(e.group, restore=False, ranks=[rank], replacement=True)
-        rec.devices = {w.worker: str(w.device) for w in launches}
-        self._spawn(launches)
-        rec.spawned_at = time.time()
+        self._spawn_for(rec, launches)
         self._healing[e.worker] = rec
         return True
 
@@ -304,23 +299,32 @@ class Supervisor:
         self.launcher.stop_group(group)
         self._live.pop(group, None)
         rec.stopped_at = time.time()
-        if self.restarts[group] >= self.job.restart.max_restarts:
-            self.failed[group] = f"{worker} exited with {code}; {self.restarts[group]} restarts already"
-            log.error("group %s given up: %s", group, self.failed[group])
+        if self._spent(group, worker, code):
             return
-        self.restarts[group] += 1
         self.done = {w for w in self.done if not w.startswith(f"{group}-")}
         for w in [w for w, r in self._healing.items() if r.group == group]:
             del self._healing[w]
         self._new_run(group)  # a fresh healing run: the restarted ranks form a new group
         launches = self._launches(group, restore=True)
-        rec.devices = {w.worker: str(w.device) for w in launches}
-        self._spawn(launches)
-        rec.spawned_at = time.time()
+        self._spawn_for(rec, launches)
         if self.client is None:
             self._complete(rec)
         else:
             self._pending[group] = rec
+
+    def _spent(self, group: str, worker: str, code: int | None) -> bool:
+        """Give ``group`` up when it has used its restarts (heals count); else count this one."""
+        if self.restarts[group] >= self.job.restart.max_restarts:
+            self.failed[group] = f"{worker} exited with {code}; {self.restarts[group]} restarts already"
+            log.error("group %s given up: %s", group, self.failed[group])
+            return True
+        self.restarts[group] += 1
+        return False
+
+    def _spawn_for(self, rec: Recovery, launches: list[WorkerLaunch]) -> None:
+        rec.devices = {w.worker: str(w.device) for w in launches}
+        self._spawn(launches)
+        rec.spawned_at = time.time()
 
     def _restart_worker(self, e: Exit, detect_s: float) -> None:
         """``restart_scope: worker``: start the dead process again, from its own newest snapshot; its peers keep
@@ -330,11 +334,8 @@ class Supervisor:
         rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="worker")
         rec.stopped_at = time.time()  # nothing to stop
         log.warning("group %s: %s exited with %s; restarting it alone", e.group, e.worker, e.code)
-        if self.restarts[e.group] >= self.job.restart.max_restarts:
-            self.failed[e.group] = f"{e.worker} exited with {e.code}; {self.restarts[e.group]} restarts already"
-            log.error("group %s given up: %s", e.group, self.failed[e.group])
+        if self._spent(e.group, e.worker, e.code):
             return
-        self.restarts[e.group] += 1
         self.done.discard(e.worker)
         rank = int(e.worker.rsplit("-", 1)[1])
         # The registrations this worker had so far: the restarted process is the one that is not among them (a
@@ -346,9 +347,7 @@ class Supervisor:
             except ClientError as exc:  # unreachable now: then by registration time, after the spawn
                 log.warning("group %s: cannot read %s's registrations (%s)", e.group, e.worker, exc)
         launches = self._launches(e.group, restore=True, ranks=[rank])
-        rec.devices = {w.worker: str(w.device) for w in launches}
-        self._spawn(launches)
-        rec.spawned_at = time.time()
+        self._spawn_for(rec, launches)
         if self.client is None:
             self._complete(rec)
         else:
