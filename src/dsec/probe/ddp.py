@@ -28,8 +28,8 @@ next cycle start they switch together, and they agree on group snapshots and dri
 A hand-written all-reduce of gradients (manual_sync.py) carries it at every step.
 
 The header is what costs in the all_reduce path (encoding, decoding, the guard's votes: ~100 µs of Python per
-step against a native all_reduce of a few hundred), so it rides every Nth synchronized step only
-(``DSEC_HEADER_EVERY``, default 8: sync_header.DEFAULT_EVERY; 1 = every step); the steps between all_reduce the
+step against a native all_reduce of a few hundred), so it can ride every Nth synchronized step only
+(``DSEC_HEADER_EVERY``, opt-in; default 1: every step, sync_header.DEFAULT_EVERY); the steps between all_reduce the
 bucket's own buffer in place, the way DDP's default hook does. Whether a step carries the header depends only on the
 agreed state (the count of synchronized steps since the last header and the agreed levels), so every rank decides
 the same. What N > 1 costs: level changes, group-snapshot agreement, replica fingerprints and the arrival stamps
@@ -37,7 +37,9 @@ happen only at header steps (a directive takes effect up to N steps later); betw
 estimated from its lag and wait at the last header (``_estimate_arrival``: its cost stays its own share, the
 straggler's punctual peers are not blamed for waiting; a straggler that recovers is seen at the next header). The
 byte paths (8/4 bits, mixed levels) carry the header at every step. Measured (docs/benchmarks.md): the probe's
-cost on a learner-sized step 0.52% with N = 1, 0.35% with N = 8.
+cost on a learner-sized step 0.52% with N = 1, 0.35% with N = 8; N = 8 was the default for a few hours on
+2026-12-03 and went back to opt-in: the demo's breaker scene still blamed the healthy peer in 2 of 14 runs (a
+suspect: a header step aligned with the first sync after each PPO rollout, where arrival order differs).
 
 Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
 includes waiting for the slowest one and raw latency cannot name the straggler. The header therefore

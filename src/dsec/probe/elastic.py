@@ -289,7 +289,11 @@ class ElasticGroup:
             except Exception:
                 log.debug("dsec: reporting the failure failed", exc_info=True)
         while True:
+            self.journal(f"heal: asking for the next plan after e{self._seen_plan.epoch if self._seen_plan else 0}")
             plan = self._next_plan(p)
+            if plan is not None:
+                self.journal(f"heal: plan e{plan.epoch} members {list(plan.members)} source {plan.source} behind "
+                             f"{list(plan.behind)} joiners {list(plan.joiners)} reason {plan.reason}")  # fmt: skip
             if plan is None:  # an admission that found nobody to admit: go on in the same epoch
                 with self._lock:
                     self.admit_at = None
@@ -302,6 +306,7 @@ class ElasticGroup:
             except Diverged:
                 raise
             except (RuntimeError, TransferError) as exc:
+                self.journal(f"heal: setting up e{plan.epoch} failed: {str(exc)[:200]}")
                 log.warning("dsec: epoch %d could not be set up (%s); reporting it broken", plan.epoch, exc)
                 self.client.fail(plan.epoch, f"setting up epoch {plan.epoch} failed: {exc}")
         heal = {
@@ -365,7 +370,9 @@ class ElasticGroup:
                 f" ({signature(p.op) if p is not None else '?'} here):"
                 " their scripts took different paths, no process group can pair them again"
             )
+        self.journal(f"heal: rendezvous e{plan.epoch}")
         pg = self._rendezvous.group(self.client.me.run, plan, self.rank)
+        self.journal(f"heal: rendezvous e{plan.epoch} done; transfers")
         received: list[torch.Tensor] | None = None
         src = members.index(plan.source)
         if self.rank == plan.source:
@@ -384,6 +391,7 @@ class ElasticGroup:
             self.shadow_period = self.seq.period
             if self._receive_state is not None:
                 self._receive_state(state, plan)
+        self.journal(f"heal: transfers of e{plan.epoch} done")
         with self._lock:
             old = self.ep.pg if self.ep is not None else None
             if old is not None:

@@ -32,10 +32,11 @@ if TYPE_CHECKING:
     import torch
 
 HEADER_BYTES = 32
-# The DDP comm hook's all_reduce path carries the header every Nth synchronized step by default (DSEC_HEADER_EVERY;
-# ddp.py says what N > 1 costs). 8: the probe-overhead benchmark's learner-sized step (cnn) costs 0.35% with it
-# against 0.52% with a header every step (docs/benchmarks.md), levels change at most 8 steps late.
-DEFAULT_EVERY = 8
+# The DDP comm hook's all_reduce path carries the header every Nth synchronized step (DSEC_HEADER_EVERY; ddp.py says
+# what N > 1 costs). Default 1: every step. N = 8 costs 0.35% of a learner-sized step (cnn benchmark) against 0.52%,
+# but with it the demo's breaker scene blamed the straggler's healthy peer in 2 of 14 runs (docs/benchmarks.md),
+# so it stays opt-in.
+DEFAULT_EVERY = 1
 _STRUCT = struct.Struct("<iidIIII")  # bits, accum, stamp (s), flags, fingerprint, hyper, admit
 # Bits an element of the slot dtype holds exactly, and the stamp period (ms) it holds.
 SLOT_BITS = {32: 24, 16: 11}

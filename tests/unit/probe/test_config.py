@@ -36,12 +36,12 @@ def test_invalid_compression_is_named() -> None:
         ProbeConfig.from_env({"DSEC_ENDPOINT": "http://x", "DSEC_SANDBOX_ID": "p", "DSEC_COMPRESSION_BITS": "3"})
 
 
-def test_header_every_defaults_to_8_and_a_bad_value_is_named() -> None:
+def test_header_every_defaults_to_1_and_a_bad_value_is_named() -> None:
     base = {"DSEC_ENDPOINT": "http://x", "DSEC_SANDBOX_ID": "p"}
     cfg = ProbeConfig.from_env(base)
-    assert cfg is not None and cfg.header_every == 8
-    cfg = ProbeConfig.from_env({**base, "DSEC_HEADER_EVERY": "1"})
     assert cfg is not None and cfg.header_every == 1
+    cfg = ProbeConfig.from_env({**base, "DSEC_HEADER_EVERY": "8"})
+    assert cfg is not None and cfg.header_every == 8
     with pytest.raises(ValueError, match="header_every=0"):
         ProbeConfig.from_env({**base, "DSEC_HEADER_EVERY": "0"})
 
