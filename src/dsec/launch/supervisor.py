@@ -353,16 +353,24 @@ class Supervisor:
         else:
             self._restarting[e.worker] = (rec, known)
 
-    def _registrations(self, group: str, rank: int) -> list[dict[str, Any]]:
-        return [w for w in self.client.workers(pool=self.job.pool) if w.get("group") == group and w.get("rank") == rank]
+    def _registrations(
+        self, group: str, rank: int, workers: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The control plane's worker records of ``group``'s ``rank`` (from ``workers``, or asked for now)."""
+        if workers is None:
+            workers = self.client.workers(pool=self.job.pool)
+        return [w for w in workers if w.get("group") == group and w.get("rank") == rank]
 
     def _check_restarted_workers(self) -> None:
         """A restarted worker has resumed once its new process registered with the control plane (its restore, if
         it had a snapshot to restore, is its ``restore`` event's)."""
+        if not self._restarting:
+            return
+        workers = self.client.workers(pool=self.job.pool)  # one request per pass, whatever number waits
         for name, (rec, known) in list(self._restarting.items()):
             new = [
                 w
-                for w in self._registrations(rec.group, int(name.rsplit("-", 1)[1]))
+                for w in self._registrations(rec.group, int(name.rsplit("-", 1)[1]), workers)
                 if (str(w["id"]) not in known if known is not None else float(w["registered_at"]) >= rec.spawned_at)
             ]
             if new:

@@ -93,18 +93,16 @@ class DeviceHealthPass(Regime):
         cannot have one. Comparing only the others gives the same flags for a fraction of the cost."""
         learners = self.sc.groups.learners
         out = np.zeros(len(groups), dtype=bool)
-        specs = {f.name: f for f in self.fleet_config.features}
+        spec = next((f for f in self.fleet_config.features if f.name == "compute_ms_p50"), None)
+        if spec is None:
+            return out
         for lo, hi in ((0, learners), (learners, self.sim.n)):
             if hi - lo < self.fleet_config.min_peers:
                 continue
-            for name, values in (("compute_ms_p50", compute_ms),):
-                spec = specs.get(name)
-                if spec is None:
-                    continue
-                sub = values[groups, lo:hi]
-                med = np.median(sub, axis=1)
-                floor = np.maximum(spec.min_abs_excess, spec.min_rel_excess * np.abs(med))
-                out |= sub.max(axis=1) - med > floor - 1e-9
+            sub = compute_ms[groups, lo:hi]
+            med = np.median(sub, axis=1)
+            floor = np.maximum(spec.min_abs_excess, spec.min_rel_excess * np.abs(med))
+            out |= sub.max(axis=1) - med > floor - 1e-9
         return out
 
     def _card_index(self, name: str) -> int:
