@@ -66,7 +66,7 @@ def serve(
     import uvicorn
 
     from dsec.control.app import create_app
-    from dsec.control.server import uvicorn_config
+    from dsec.control.server import tune_gc, uvicorn_config
     from dsec.control.settings import Settings
 
     overrides = dict(parse_setting(kv) for kv in settings_kv or ())
@@ -77,6 +77,7 @@ def serve(
         # ASGI app (its lifespan must still reach the wrapped app).
         mod, _, fn = wrap.partition(":")
         app = getattr(importlib.import_module(mod), fn)(app)
+    tune_gc()  # as ``dsec serve`` does
     server = uvicorn.Server(uvicorn_config(app, host, port))
     # uvicorn installs its own SIGINT/SIGTERM handlers (graceful shutdown, lifespan included).
     if cprofile_out is None:

@@ -92,7 +92,7 @@ def serve(
     """Run the control plane (uvicorn)."""
     import uvicorn
 
-    from dsec.control.server import uvicorn_config
+    from dsec.control.server import tune_gc, uvicorn_config
 
     _check_policy(policy)
     hooks, secret = _alert_webhooks(alert_webhook)
@@ -111,6 +111,7 @@ def serve(
     fastapi_app = _app(settings)
     scheme = "https" if tls else "http"
     err.print(f"DSec control plane on {scheme}://{host}:{port} (store: {settings.database_url.split('@')[-1]})")
+    tune_gc()
     uvicorn.Server(uvicorn_config(fastapi_app, host, port, log_level=log_level, **tls)).run()
 
 

@@ -188,15 +188,20 @@ class Judge:
     def periodic(self, now: float) -> tuple[list[Change], list[Event]]:
         changes: list[Change] = []
         events: list[Event] = []
-        if now - self._last_fleet >= self.config.fleet_interval_s:
+        fleet_due = now - self._last_fleet >= self.config.fleet_interval_s
+        quota_due = now - self._last_quota >= self.config.quota_interval_s
+        # One view of the active workers for both judgments of this pass (building it is O(workers)).
+        by_pool = self._active_by_pool() if fleet_due or quota_due else {}
+        if fleet_due:
             self._last_fleet = now
-            events += self._fleet(now)
-        if now - self._last_quota >= self.config.quota_interval_s:
+            events += self._fleet(now, by_pool)
+        if quota_due:
             self._last_quota = now
-            changes += self._quotas(now)
-        for wid, guard in list(self.guards.items()):
+            changes += self._quotas(now, by_pool)
+        # Only guards with a fallback in force have anything to restore (one per worker exists: skip the rest first).
+        for wid, guard in [(wid, g) for wid, g in self.guards.items() if g.original is not None]:
             w = self.state.workers.get(wid)
-            if w is None or guard.original is None:  # no fallback in force: nothing to restore
+            if w is None:
                 continue
             if (c := precision_restore(view_of(w), guard, now)) is not None:
                 changes.append(c)
@@ -209,10 +214,9 @@ class Judge:
                 out.setdefault(w.pool, []).append(view_of(w))
         return out
 
-    def _fleet(self, now: float) -> list[Event]:
+    def _fleet(self, now: float, by_pool: dict[str, list[WorkerView]]) -> list[Event]:
         events: list[Event] = []
         judged: set[str] = set()
-        by_pool = self._active_by_pool()
         for pool_name, ws in by_pool.items():
             pool = self.state.pools.get(pool_name)
             was_slow = pool_name in self.slow_pools
@@ -242,8 +246,7 @@ class Judge:
         sizes = [self.state.devices[d].memory_gb for d in pool.devices if d in self.state.devices]
         return max(sizes, default=0.0) or None
 
-    def _quotas(self, now: float) -> list[Change]:
-        by_pool = self._active_by_pool()
+    def _quotas(self, now: float, by_pool: dict[str, list[WorkerView]]) -> list[Change]:
         self.memory_trends = observe_memory(self.memory_trends, [w for ws in by_pool.values() for w in ws], now)
         changes: list[Change] = []
         for pool in self.state.pools.values():

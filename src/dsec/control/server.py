@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -15,6 +16,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+#: The cyclic collector's thresholds for a control plane process (CPython's defaults: 700, 10, 10). A control plane
+#: holds a large, long-lived heap (every worker's record, breaker, trend) and allocates per beat; at the defaults
+#: the collector ran young collections every 700 allocations and old ones often enough to cost a third of the
+#: ingest capacity at 10,000 workers (benchmarks/ingest.py: 3,750 -> 5,400 batched beats/s with these;
+#: docs/benchmarks.md). Reference counting still frees everything without cycles at once: only cyclic garbage
+#: waits longer, and the old generation is still collected.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_gc() -> None:
+    """Set :data:`GC_THRESHOLDS` for this process; for a process that runs a control plane in the foreground
+    (``dsec serve``), not for one that embeds it among other work (tests, the demo)."""
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, **kw: Any) -> uvicorn.Config:

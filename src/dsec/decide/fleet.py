@@ -26,8 +26,10 @@ class FleetVerdict:
     latency_floor_ms: float | None = None  # cap safety: the latency cap in force is at least this (decide.caps)
 
 
-def features(metrics: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def features(metrics: Mapping[str, Any], names: Sequence[str] | None = None) -> dict[str, float]:
+    """The numeric metrics (of ``names`` only, when given) as floats."""
+    pairs = metrics.items() if names is None else ((k, metrics.get(k)) for k in names)
+    return {k: float(v) for k, v in pairs if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def judged_workers(samples: Sequence[PeerSample], report: FleetReport, config: FleetConfig) -> set[str]:
@@ -59,13 +61,18 @@ def judge_pool(
 ) -> FleetVerdict:
     """Compare the active ``workers`` of one pool; events for new and cleared outliers (``previous``: each
     worker's flags before) and for the pool's sync slowdown starting (``was_slow``: it was already reported)."""
-    samples = [PeerSample(w.id, w.role, w.group, features(w.metrics)) for w in workers if w.metrics]
+    # Only the features compared: a worker's other metrics (dozens) would be copied for nothing.
+    names = [spec.name for spec in config.features]
+    samples = [PeerSample(w.id, w.role, w.group, features(w.metrics, names)) for w in workers if w.metrics]
     report = compare(samples, config)
     flagged = report.outliers_by_worker()
     verdict = FleetVerdict(judged=judged_workers(samples, report, config))
     for w in workers:
-        now_flags = {o.feature: o for o in flagged.get(w.id, [])}
         before = previous.get(w.id, set())
+        if not before and w.id not in flagged:  # the common case: nothing flagged before or now
+            verdict.flags[w.id] = set()
+            continue
+        now_flags = {o.feature: o for o in flagged.get(w.id, [])}
         for feature in sorted(set(now_flags) - before):
             verdict.events += _outlier_events(w, now_flags[feature], len(samples), now)
         for feature in sorted(before - set(now_flags)):

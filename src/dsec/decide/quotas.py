@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dsec.decide.caps import finite
 from dsec.decide.verdicts import Change
 from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool
 from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig, WorkerMemory, plan
+from dsec.quota.trend import PEAK_HOLD_S, observe_arrays
 
 
 @dataclass
@@ -23,17 +26,36 @@ def observe_memory(
     trends: Mapping[str, MemoryTrend], workers: Sequence[WorkerView], now: float
 ) -> dict[str, MemoryTrend]:
     """Each reporting worker's memory trend after its latest ``memory_used_gb`` (the planner's ramp and recent
-    peak); workers that are gone are dropped."""
-    out: dict[str, MemoryTrend] = {}
+    peak); workers that are gone are dropped.
+
+    The same as ``old.observe(used, now)`` per worker (tests/unit/test_quota_trend.py checks it), computed for
+    every worker in one numpy call: per worker, numpy's scalar operations cost ~50 us, which at 10,000 workers made
+    this a third of the control plane's reconcile pass."""
+    out: dict[str, MemoryTrend | None] = {}
+    ids: list[str] = []
+    olds: list[MemoryTrend] = []
+    readings: list[float] = []
     for w in workers:
         used = finite(w.metrics, "memory_used_gb")
         old = trends.get(w.id)
         if used is None:
             if old is not None:
                 out[w.id] = old
-            continue
-        out[w.id] = MemoryTrend.first(used, now) if old is None else old.observe(used, now)
-    return out
+        elif old is None:
+            out[w.id] = MemoryTrend.first(used, now)
+        else:
+            out[w.id] = None  # its place in the order; filled below
+            ids.append(w.id)
+            olds.append(old)
+            readings.append(used)
+    if olds:
+        columns = np.array([(o.t, o.used_gb, o.ramp_gb_per_s, o.peak_gb, o.peak_t, o.burst_t) for o in olds]).T
+        t, used_gb, ramp, peak, peak_t, burst_t = columns
+        after = observe_arrays(t, used_gb, ramp, peak, peak_t, np.array(readings), now, PEAK_HOLD_S, burst_t)
+        rows = zip(*(np.asarray(a, dtype=float).tolist() for a in after), strict=True)
+        for wid, values in zip(ids, rows, strict=True):
+            out[wid] = MemoryTrend(*values)
+    return {wid: trend for wid, trend in out.items() if trend is not None}
 
 
 def plan_pool_quotas(

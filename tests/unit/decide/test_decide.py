@@ -7,6 +7,8 @@ import copy
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsec.breaker import Breaker, BreakerConfig
 from dsec.decide import (
@@ -27,7 +29,7 @@ from dsec.decide import (
 from dsec.health.fleet import FleetConfig
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import DirectiveFields, Event, EventType, Pool, PoolThresholds, WorkerState
-from dsec.quota import QuotaConfig
+from dsec.quota import MemoryTrend, QuotaConfig
 from dsec.scheduler.device_health import DeviceHealthConfig
 
 POOL = Pool("p", thresholds=PoolThresholds(bandwidth_cap_mbps=100.0, latency_cap_ms=50.0), memory_ceiling_gb=20.0)
@@ -146,6 +148,43 @@ def test_quota_trends_grow_a_ramping_worker_ahead_and_forget_departed_ones() -> 
     without = plan_pool_quotas(pool, 40.0, ramping, QuotaConfig(), 2.0)
     assert with_ramp.changes[0].patch["memory_quota_gb"] > without.changes[0].patch["memory_quota_gb"]
     assert observe_memory(trends, [], 4.0) == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.floats(0.0, 80.0)),  # the earlier reading (None: no trend yet)
+            st.one_of(st.none(), st.floats(0.0, 80.0)),  # the new one (None: the beat did not report memory)
+            st.floats(0.0, 250.0),  # when the earlier trend was last observed
+        ),
+        max_size=12,
+    )
+)
+def test_quota_trends_of_a_whole_pool_are_each_workers_own_observe(
+    readings: list[tuple[float | None, float | None, float]],
+) -> None:
+    """observe_memory computes every worker's trend in one numpy call: the same trends, in the same order, as
+    MemoryTrend.observe one worker at a time."""
+    # a ramp, a peak and a burst to carry on, last observed at different times (some too close to ``now`` for a ramp)
+    trends = {
+        f"w{i}": MemoryTrend.first(a, 0.0).observe(a * 1.5 + 20.0, at)
+        for i, (a, _, at) in enumerate(readings)
+        if a is not None
+    }
+    workers = [view(i, metrics={} if b is None else {"memory_used_gb": b}) for i, (_, b, _) in enumerate(readings)]
+    now = 250.2
+    expected = {}
+    for w in workers:
+        used, old = w.metrics.get("memory_used_gb"), trends.get(w.id)
+        if used is None:
+            if old is not None:
+                expected[w.id] = old
+        else:
+            expected[w.id] = MemoryTrend.first(used, now) if old is None else old.observe(used, now)
+    got = observe_memory(trends, workers, now)
+    assert list(got) == list(expected)
+    assert got == expected
 
 
 def test_occupancy_counts_only_judged_workers_as_evidence() -> None:
