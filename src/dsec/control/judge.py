@@ -28,6 +28,8 @@ from dsec.decide import (
     SOURCE,
     BeatInputs,
     Change,
+    FleetVerdict,
+    QuotaVerdict,
     Verdict,
     WorkerView,
     caps_for,
@@ -185,27 +187,57 @@ class Judge:
         self.router.submit(alert)
 
     # -- periodic --------------------------------------------------------------------------------------
-    def periodic(self, now: float) -> tuple[list[Change], list[Event]]:
-        changes: list[Change] = []
-        events: list[Event] = []
+    def periodic_inputs(self, now: float) -> PeriodicInputs:
+        """What this pass's fleet and quota judgments read (none, when neither is due), taken now: frozen views of
+        the active workers and copies of the judge's own state, so ``PeriodicInputs.run`` may run on another thread
+        while beats go on. Hand its result to ``finish_periodic``."""
         fleet_due = now - self._last_fleet >= self.config.fleet_interval_s
         quota_due = now - self._last_quota >= self.config.quota_interval_s
-        # One view of the active workers for both judgments of this pass (building it is O(workers)).
-        by_pool = self._active_by_pool() if fleet_due or quota_due else {}
         if fleet_due:
             self._last_fleet = now
-            events += self._fleet(now, by_pool)
         if quota_due:
             self._last_quota = now
-            changes += self._quotas(now, by_pool)
+        pools = dict(self.state.pools)
+        return PeriodicInputs(
+            now=now,
+            fleet_due=fleet_due,
+            quota_due=quota_due,
+            # One view of the active workers for both judgments (building it is O(workers)).
+            by_pool=self._active_by_pool() if fleet_due or quota_due else {},
+            pools=pools,
+            flags=dict(self.flags) if fleet_due else {},
+            slow_pools=frozenset(self.slow_pools),
+            memory={p.name: (self.pool_capacity_gb(p), self.pool_device_gb(p)) for p in pools.values()}
+            if quota_due
+            else {},
+            trends=self.memory_trends,
+            config=self.config,
+        )
+
+    def finish_periodic(self, inputs: PeriodicInputs, result: PeriodicResult) -> tuple[list[Change], list[Event]]:
+        """Take in the judgments ``inputs.run()`` made, then the precision restores: (directive changes, events)."""
+        events: list[Event] = []
+        changes: list[Change] = []
+        if inputs.fleet_due:
+            events += self._take_fleet(inputs, result.fleet)
+        if inputs.quota_due:
+            self.memory_trends = result.trends
+            for name, v in result.quotas.items():
+                self.pool_memory[name] = v.accounting
+                changes += v.changes
         # Only guards with a fallback in force have anything to restore (one per worker exists: skip the rest first).
         for wid, guard in [(wid, g) for wid, g in self.guards.items() if g.original is not None]:
             w = self.state.workers.get(wid)
             if w is None:
                 continue
-            if (c := precision_restore(view_of(w), guard, now)) is not None:
+            if (c := precision_restore(view_of(w), guard, inputs.now)) is not None:
                 changes.append(c)
         return changes, events
+
+    def periodic(self, now: float) -> tuple[list[Change], list[Event]]:
+        """One pass's periodic judgments, all on the calling thread."""
+        inputs = self.periodic_inputs(now)
+        return self.finish_periodic(inputs, inputs.run())
 
     def _active_by_pool(self) -> dict[str, list[WorkerView]]:
         out: dict[str, list[WorkerView]] = {}
@@ -214,26 +246,25 @@ class Judge:
                 out.setdefault(w.pool, []).append(view_of(w))
         return out
 
-    def _fleet(self, now: float, by_pool: dict[str, list[WorkerView]]) -> list[Event]:
+    def _take_fleet(self, inputs: PeriodicInputs, verdicts: Mapping[str, FleetVerdict]) -> list[Event]:
         events: list[Event] = []
         judged: set[str] = set()
-        for pool_name, ws in by_pool.items():
-            pool = self.state.pools.get(pool_name)
-            was_slow = pool_name in self.slow_pools
-            v = judge_pool(
-                pool, pool_name, ws, self.flags, was_slow, self.config.fleet, now, self.config.breaker.margin
-            )
+        for pool_name, v in verdicts.items():
             events += v.events
             judged |= v.judged
-            self.flags.update(v.flags)
-            if pool is not None:
+            for wid, flags in v.flags.items():
+                w = self.state.workers.get(wid)
+                # A worker that left while the judgment ran (off the loop) was forgotten: do not bring it back.
+                if w is not None and w.state is not WorkerState.DEREGISTERED:
+                    self.flags[wid] = flags
+            if inputs.pools.get(pool_name) is not None:
                 (self.slow_pools.add if v.slow_pool else self.slow_pools.discard)(pool_name)
                 if v.latency_floor_ms is None:
                     self.latency_floors.pop(pool_name, None)
                 else:
                     self.latency_floors[pool_name] = v.latency_floor_ms
         self.judged = judged
-        for gone in set(self.latency_floors) - set(by_pool):  # no active worker: nothing to be safe from
+        for gone in set(self.latency_floors) - set(inputs.by_pool):  # no active worker: nothing to be safe from
             self.latency_floors.pop(gone, None)
         return events
 
@@ -246,19 +277,48 @@ class Judge:
         sizes = [self.state.devices[d].memory_gb for d in pool.devices if d in self.state.devices]
         return max(sizes, default=0.0) or None
 
-    def _quotas(self, now: float, by_pool: dict[str, list[WorkerView]]) -> list[Change]:
-        self.memory_trends = observe_memory(self.memory_trends, [w for ws in by_pool.values() for w in ws], now)
-        changes: list[Change] = []
-        for pool in self.state.pools.values():
-            v = plan_pool_quotas(
-                pool,
-                self.pool_capacity_gb(pool),
-                by_pool.get(pool.name, []),
-                self.config.quota,
-                now,
-                trends=self.memory_trends,
-                device_gb=self.pool_device_gb(pool),
-            )
-            self.pool_memory[pool.name] = v.accounting
-            changes += v.changes
-        return changes
+
+@dataclass(frozen=True)
+class PeriodicResult:
+    fleet: dict[str, FleetVerdict] = field(default_factory=dict)  # by pool, for the pools with active workers
+    trends: dict[str, MemoryTrend] = field(default_factory=dict)
+    quotas: dict[str, QuotaVerdict] = field(default_factory=dict)  # by pool, every pool
+
+
+@dataclass(frozen=True)
+class PeriodicInputs:
+    """One pass's fleet and quota judgments, over what ``Judge.periodic_inputs`` took: ``run`` only reads these
+    (frozen views, copies) and calls the pure decision core, so it is safe off the event loop."""
+
+    now: float
+    fleet_due: bool
+    quota_due: bool
+    by_pool: dict[str, list[WorkerView]]  # the active workers, by pool
+    pools: dict[str, Pool]
+    flags: dict[str, set[str]]  # each worker's fleet flags before this pass
+    slow_pools: frozenset[str]
+    memory: dict[str, tuple[float | None, float | None]]  # pool -> (capacity, largest device), GB
+    trends: Mapping[str, MemoryTrend]
+    config: JudgeConfig
+
+    @property
+    def workers(self) -> int:
+        return sum(len(ws) for ws in self.by_pool.values())
+
+    def run(self) -> PeriodicResult:
+        c, now = self.config, self.now
+        fleet: dict[str, FleetVerdict] = {}
+        if self.fleet_due:
+            for name, ws in self.by_pool.items():
+                was_slow = name in self.slow_pools
+                fleet[name] = judge_pool(self.pools.get(name), name, ws, self.flags, was_slow, c.fleet, now,
+                                         c.breaker.margin)  # fmt: skip
+        if not self.quota_due:
+            return PeriodicResult(fleet)
+        trends = observe_memory(self.trends, [w for ws in self.by_pool.values() for w in ws], now)
+        quotas = {}
+        for name, pool in self.pools.items():
+            capacity, device_gb = self.memory[name]
+            ws = self.by_pool.get(name, [])
+            quotas[name] = plan_pool_quotas(pool, capacity, ws, c.quota, now, trends=trends, device_gb=device_gb)
+        return PeriodicResult(fleet, trends, quotas)

@@ -24,6 +24,10 @@ from dsec.model import Event, EventType, WorkerState
 logger = logging.getLogger(__name__)
 
 
+#: From this many active workers on, a pass's fleet and quota judgments run off the event loop (``_judge_periodic``).
+OFF_LOOP_WORKERS = 1000
+
+
 class Reconciler:
     def __init__(
         self,
@@ -89,7 +93,15 @@ class Reconciler:
 
     async def _judge_periodic(self) -> None:
         now = self.clock()
-        changes, events = self.judge.periodic(now)
+        inputs = self.judge.periodic_inputs(now)
+        if inputs.workers >= OFF_LOOP_WORKERS:
+            # At thousands of workers the fleet and quota judgments take 100+ ms of CPU: on a thread (they read
+            # only frozen views and copies) the event loop keeps answering beats meanwhile, instead of holding
+            # every beat that arrives during the pass (the GIL still shares one core: latency, not throughput).
+            result = await asyncio.to_thread(inputs.run)
+        else:
+            result = inputs.run()
+        changes, events = self.judge.finish_periodic(inputs, result)
         if events:
             await self.log.record_events(events)
         for c in changes:

@@ -1,0 +1,152 @@
+"""The reconcile pass's fleet and quota judgments off the event loop (``Reconciler._judge_periodic`` from
+``OFF_LOOP_WORKERS`` active workers on): the same verdicts as on the loop, the loop answering while they run, and a
+worker that leaves meanwhile staying forgotten. Real control planes over real SQLite files, on a virtual clock."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dsec.control.reconcile as reconcile_mod
+from conftest import ADMIN_TOKEN, make_settings
+from dsec.control.judge import PeriodicInputs
+from dsec.control.schemas import HeartbeatRequest, RegisterRequest
+from dsec.control.service import ControlPlane
+from dsec.control.store import EventQuery, open_store
+from dsec.model import Device, EventType, Pool
+
+RANKS = 8
+STRAGGLER = 5  # this rank's steps take twice as long as its peers'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def make_cp(tmp_path: Path, clock: Clock) -> AsyncIterator[Any]:
+    """Control planes (each on its own SQLite file) with one pool of RANKS learners that have beaten twice (a
+    straggler among them, memory ramping); closed at teardown."""
+    opened: list[tuple[ControlPlane, Any]] = []
+
+    async def make(name: str) -> tuple[ControlPlane, dict[str, int]]:
+        settings = make_settings(tmp_path / name)
+        store = open_store(settings.database_url)
+        cp = ControlPlane(settings, store, clock)
+        opened.append((cp, store))
+        for d in range(2):
+            await cp.put_device(Device(f"gpu{d}", "node-0", memory_gb=80.0))
+        await cp.put_pool(Pool("pool-a", memory_base_gb=4.0, memory_ceiling_gb=12.0, devices=("gpu0", "gpu1")))
+        ranks = {}
+        for rank in range(RANKS):
+            reg = await cp.register(RegisterRequest(pool="pool-a", rank=rank, role="learner"), ADMIN_TOKEN)
+            ranks[reg["worker_id"]] = rank
+        for seq, memory in ((1, 3.0), (2, 3.9)):
+            for wid, rank in ranks.items():
+                step = 200.0 if rank == STRAGGLER else 100.0 + rank
+                metrics = {"step_ms_mean": step, "memory_used_gb": memory + rank / 10}
+                req = HeartbeatRequest(seq=seq, acked_directive_version=1, metrics=metrics)
+                await cp.heartbeat(cp.state.workers[wid], req)
+            clock.now += 1.0
+        return cp, ranks
+
+    yield make
+    for cp, store in opened:
+        cp.close()
+        store.close()
+
+
+def by_rank(cp: ControlPlane, ranks: dict[str, int]) -> dict[str, Any]:
+    """What the pass decided, with worker ids (random per control plane) replaced by ranks."""
+    j = cp.judge
+    return {
+        "flags": {ranks[w]: sorted(f) for w, f in j.flags.items()},
+        "judged": sorted(ranks[w] for w in j.judged),
+        "quota": {ranks[w.id]: w.directive.fields.memory_quota_gb for w in cp.state.workers.values()},
+        "trends": {ranks[w]: t for w, t in j.memory_trends.items()},
+        "accounting": j.pool_memory["pool-a"],
+        "events": sorted(
+            (e.type.value, ranks.get(e.worker_id or "", -1), str(e.data.get("kind")), str(e.data.get("feature")))
+            for e in cp.store.query_events(EventQuery(types=(EventType.ANOMALY, EventType.ALERT, EventType.QUOTA)))
+        ),
+    }
+
+
+async def test_judgments_off_the_loop_decide_what_they_decide_on_it(
+    make_cp: Any, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_loop, ranks_a = await make_cp("a")
+    off_loop, ranks_b = await make_cp("b")
+    ran_on: list[str] = []
+    real_run = PeriodicInputs.run
+
+    def run(self: PeriodicInputs) -> Any:
+        ran_on.append(threading.current_thread().name)
+        return real_run(self)
+
+    monkeypatch.setattr(PeriodicInputs, "run", run)
+    monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 10**9)
+    await on_loop.reconcile()
+    monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 1)
+    await off_loop.reconcile()
+
+    assert ran_on[0] == threading.main_thread().name and ran_on[1] != threading.main_thread().name
+    a, b = by_rank(on_loop, ranks_a), by_rank(off_loop, ranks_b)
+    assert a == b
+    assert a["flags"][STRAGGLER] == ["step_ms_mean"]  # the pass did judge: the straggler is flagged...
+    assert a["quota"][0] is not None and a["quota"][0] > 4.0  # ...and the ramping workers got grants
+
+
+async def test_the_loop_answers_while_the_judgments_run(make_cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cp, _ = await make_cp("a")
+    answered = threading.Event()
+    real_run = PeriodicInputs.run
+
+    def run(self: PeriodicInputs) -> Any:
+        # Waits for a coroutine on the event loop: on the loop itself this would wait out the timeout.
+        assert answered.wait(timeout=10), "the event loop was blocked while the judgments ran"
+        return real_run(self)
+
+    async def meanwhile() -> None:
+        await asyncio.sleep(0)
+        answered.set()
+
+    monkeypatch.setattr(PeriodicInputs, "run", run)
+    monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 1)
+    await asyncio.gather(cp.reconcile(), meanwhile())
+    assert answered.is_set()
+
+
+async def test_a_worker_that_leaves_during_the_judgment_stays_forgotten(make_cp: Any, clock: Clock) -> None:
+    cp, ranks = await make_cp("a")
+    straggler = next(w for w, r in ranks.items() if r == STRAGGLER)
+    inputs = cp.judge.periodic_inputs(clock.now)
+    result = inputs.run()  # as on a thread: the loop goes on meanwhile...
+    await cp.deregister(cp.state.workers[straggler], "done")  # ...and the straggler leaves (forgotten)
+    assert straggler not in cp.judge.flags
+    cp.judge.finish_periodic(inputs, result)
+    assert result.fleet["pool-a"].flags[straggler] == {"step_ms_mean"}  # it was judged a straggler...
+    assert straggler not in cp.judge.flags  # ...but a worker that left is not brought back
+    assert cp.judge.flags[next(w for w, r in ranks.items() if r != STRAGGLER)] == set()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    # asyncio.to_thread's executor belongs to the test's event loop, which pytest-asyncio closes (and shuts down).
+    assert not [t for t in set(threading.enumerate()) - before if t.is_alive() and "asyncio" in t.name]
