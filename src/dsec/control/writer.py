@@ -35,12 +35,14 @@ class GroupCommitWriter:
         mark_dirty: Callable[..., None],
         flush_interval_s: float = 0.25,
         max_batch: int = 2000,
+        max_hot_rows: int = 1000,
     ) -> None:
         self._store = store
         self._take_dirty = take_dirty
         self._mark_dirty = mark_dirty
         self._interval = flush_interval_s
         self._max_batch = max_batch
+        self._max_hot_rows = max_hot_rows
         self._queue: queue.Queue[Any] = queue.Queue()
         self.commits = 0
         self.failures = 0
@@ -73,7 +75,8 @@ class GroupCommitWriter:
 
     def _run(self) -> None:
         next_flush = time.monotonic() + self._interval
-        while True:
+        stop = False
+        while not stop:
             try:
                 first = self._queue.get(timeout=max(0.0, next_flush - time.monotonic()))
             except queue.Empty:
@@ -81,20 +84,44 @@ class GroupCommitWriter:
             items, stop = self._drain(first)
             # Hot rows go out on the timer only. Taking them with every event commit would, under load,
             # rewrite about one row per heartbeat and keep this thread (and the GIL) busy.
-            flush = stop or time.monotonic() >= next_flush
-            if flush:
+            if stop or time.monotonic() >= next_flush:
                 next_flush = time.monotonic() + self._interval
-            self._commit(items, flush_dirty=flush)
-            if stop:
-                # Anything submitted after close() began still gets written.
-                leftover, _ = self._drain(None)
-                self._commit(leftover, flush_dirty=True)
-                return
+                stop = self._flush(items) or stop
+            else:
+                self._commit(items, [])
+        # Anything submitted after close() began still gets written.
+        leftover, _ = self._drain(None)
+        self._flush(leftover)
 
-    def _commit(self, items: list[tuple[WriteBatch, Future[list[int]]]], flush_dirty: bool) -> None:
-        dirty = self._take_dirty() if flush_dirty else []
+    def _flush(self, items: list[tuple[WriteBatch, Future[list[int]]]]) -> bool:
+        """Write the dirty hot rows with ``items``: at most ``max_hot_rows`` per transaction, the requests queued
+        meanwhile riding along with the next one. At 10,000 workers one transaction of every dirty row held a
+        request carrying events (answered only once committed) for the whole flush, hundreds of ms; now for at most
+        one part of it. Returns whether ``close()`` was asked for meanwhile."""
+        pending = self._take_dirty()
+        # Workers a request of this flush wrote (or deleted): a dirty copy taken before is older than that row, so
+        # a later part must not write it over it (within one transaction ``merge_batches`` already prefers it).
+        superseded: set[str] = set()
+        stop = False
+        while True:
+            part = [w for w in pending[: self._max_hot_rows] if w.id not in superseded]
+            pending = pending[self._max_hot_rows :]
+            if not self._commit(items, part):
+                self._mark_dirty(*(w.id for w in pending if w.id not in superseded))
+                return stop
+            if not pending:
+                return stop
+            for batch, _ in items:
+                superseded.update(w.id for w in batch.workers)
+                superseded.update(batch.deleted_workers)
+            items, stopped = self._drain(None)
+            stop = stop or stopped
+
+    def _commit(self, items: list[tuple[WriteBatch, Future[list[int]]]], dirty: list[WorkerRow]) -> bool:
+        """One transaction of ``items`` and the hot rows ``dirty``; False when the rows were not written (they are
+        marked dirty again: the next flush retries them)."""
         if not items and not dirty:
-            return
+            return True
         merged: WriteBatch | None = None
         try:
             # Inside the try: a batch that cannot be merged (a bug that built a malformed one) must fail its own
@@ -107,8 +134,8 @@ class GroupCommitWriter:
                 # One request contradicts the stored state (a policy version another control plane took) or
                 # cannot be merged: the requests merged with it are fine on their own, so each is written alone.
                 for item in items:
-                    self._commit([item], flush_dirty=False)
-                return
+                    self._commit([item], [])
+                return False
             self.failures += 1
             if merged is None:
                 log.error("a write batch could not be merged (%d requests)", len(items), exc_info=exc)
@@ -116,13 +143,14 @@ class GroupCommitWriter:
                 log.warning("store write failed (%d rows, %d requests): %s", len(merged.workers), len(items), exc)
             for _, fut in items:
                 fut.set_exception(exc)
-            return
+            return False
         self.commits += 1
         offset = 0
         for batch, fut in items:
             n = len(batch.events)
             fut.set_result(ids[offset : offset + n])
             offset += n
+        return True
 
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -4,12 +4,22 @@ store does not fail the requests merged with it. A real SQLite store."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from dsec.control.store import EventQuery, PlacementRow, PolicyRow, StoreConflict, WorkerRow, WriteBatch, open_store
+from dsec.control.store import (
+    EventQuery,
+    PlacementRow,
+    PolicyRow,
+    StoreConflict,
+    StoreUnavailable,
+    WorkerRow,
+    WriteBatch,
+    open_store,
+)
 from dsec.control.store.sql import SqlStore
 from dsec.control.writer import GroupCommitWriter, merge_batches
 from dsec.model import Event, EventType, Pool
@@ -118,3 +128,84 @@ def test_a_batch_that_cannot_be_merged_fails_alone_and_the_writer_goes_on(gated:
     finally:
         writer.close()
     assert [e.data["msg"] for e in gated.query_events(EventQuery(limit=100))] == ["first", "kept", "after"]
+
+
+# -- hot rows in parts ------------------------------------------------------------------------------------------------
+class RecordingStore(GatedStore):
+    """A gated store that records what each transaction carried: (worker rows, events)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.transactions: list[tuple[int, int]] = []
+
+    def write(self, batch: WriteBatch) -> list[int]:
+        ids = super().write(batch)
+        self.transactions.append((len(batch.workers), len(batch.events)))
+        return ids
+
+
+def hot_row(i: int, beats: int = 1) -> WorkerRow:
+    return WorkerRow(f"w{i:05d}", "p", {}, "active", "h", 0.0, 0.0, beats, 0, beats, {"m": float(i)})
+
+
+def test_hot_rows_go_out_in_parts_and_a_request_waits_for_one_part_only(tmp_path: Path) -> None:
+    """2,500 dirty rows with max_hot_rows=1000: three transactions, and a request submitted while the first is
+    written rides along with the second instead of waiting for all three. The request rewrote worker 2,400 (in the
+    third part) and deleted worker 2,450: the older dirty copies of both do not overwrite that afterwards."""
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    open_store(url).close()
+    store = RecordingStore(url)
+    dirty = [[hot_row(i) for i in range(2500)]]
+    marked: list[str] = []
+    store.write(WriteBatch(workers=[hot_row(2450)]))  # stored before: the request deletes it
+    store.armed.set()  # the writer's first transaction (the first part) waits for the gate
+    writer = GroupCommitWriter(
+        store, take_dirty=lambda: dirty.pop() if dirty else [], mark_dirty=lambda *ids: marked.extend(ids),
+        flush_interval_s=0.01, max_hot_rows=1000,
+    )  # fmt: skip
+    try:
+        assert store.writing.wait(10)
+        request = writer.submit(
+            WriteBatch(workers=[hot_row(2400, beats=5)], deleted_workers=["w02450"], events=[ev("x")])
+        )
+        store.gate.set()
+        assert len(request.result(10)) == 1
+    finally:
+        writer.close()
+        rows = {w.id: w for w in store.list_workers()}
+        store.close()
+    assert store.transactions == [(1, 0), (1000, 0), (1001, 1), (498, 0)]  # the request and its row in the 2nd
+    assert rows["w02400"].beats == 5 and "w02450" not in rows
+    assert len(rows) == 2499 and not marked
+
+
+def test_a_failed_part_marks_its_rows_and_the_parts_after_it_dirty_again(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    open_store(url).close()
+
+    class FailingSecond(SqlStore):
+        writes = 0
+
+        def write(self, batch: WriteBatch) -> list[int]:
+            FailingSecond.writes += 1
+            if FailingSecond.writes == 2:
+                raise StoreUnavailable("disk full")
+            return super().write(batch)
+
+    store = FailingSecond(url)
+    dirty = [[hot_row(i) for i in range(2500)]]
+    marked: list[str] = []
+    writer = GroupCommitWriter(
+        store, take_dirty=lambda: dirty.pop() if dirty else [], mark_dirty=lambda *ids: marked.extend(ids),
+        flush_interval_s=0.01, max_hot_rows=1000,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while len(marked) < 1500 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        writer.close()
+        stored = {w.id for w in store.list_workers()}
+        store.close()
+    assert stored == {f"w{i:05d}" for i in range(1000)}  # the first part only
+    assert sorted(marked) == [f"w{i:05d}" for i in range(1000, 2500)]  # retried by the next flush
