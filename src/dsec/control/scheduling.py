@@ -175,7 +175,8 @@ class Scheduler:
     async def tick(self, now: float) -> None:
         by_device: dict[str, list[LiveWorker]] = {}
         st = self.state
-        for w in list(st.workers.values()):
+        # No device known: no worker can count for one (the scan is O(workers), every pass).
+        for w in list(st.workers.values()) if st.devices else ():
             device = st.devices.get(w.info.device or "")
             pool = st.pools.get(w.pool)
             # A worker counts for a device only while the device is its pool's (devices move between pools).
@@ -183,7 +184,9 @@ class Scheduler:
                 by_device.setdefault(device.id, []).append(w)
         devices = dict(self.state.devices)
         placed = [(d, w.id) for d, ws in by_device.items() for w in ws]
-        occupied = occupancy(placed, self.fleet.judged, slow_workers(self.fleet.flags))
+        flags = self.fleet.flags
+        # Only the placed workers' flags matter to occupancy: the fleet's others need not be looked at.
+        occupied = occupancy(placed, self.fleet.judged, slow_workers({w: flags.get(w, set()) for _, w in placed}))
         for change in self.health.step(now, {d: dev.health for d, dev in devices.items()}, occupied):
             dev = devices[change.device]
             if change.degraded:
