@@ -473,3 +473,15 @@ def test_unreachable_postgres_is_store_unavailable_and_hides_the_password() -> N
     with pytest.raises(StoreUnavailable) as err:
         open_store(url)
     assert "s3cret-pw" not in str(err.value)
+
+
+def test_json_columns_hold_the_values_json_dumps_wrote() -> None:
+    """The JSON columns' serializer (orjson) writes what json.dumps wrote, read back by json.loads, except a
+    non-finite float: null instead of NaN/Infinity (not JSON)."""
+    import json
+
+    from dsec.control.store.sql import json_dumps
+
+    value = {"a": [1, 2.5, True, None, "é\u0000x"], "nested": {"t": (1, 2)}, 3: "int key", "big": 2**63}
+    assert json.loads(json_dumps(value)) == json.loads(json.dumps(value))
+    assert json.loads(json_dumps({"x": float("nan"), "y": float("inf")})) == {"x": None, "y": None}
