@@ -4,8 +4,10 @@ Two entry points, both called by ``ControlPlane`` with the worker state it owns:
 
 * ``on_beat`` — per heartbeat, under the worker's lock: ``dsec.decide.judge_beat`` (breaker, precision guard,
   anomaly responses). Its verdict rides back in the same heartbeat answer.
-* ``periodic`` — from the reconcile loop: ``dsec.decide.judge_pool`` (fleet comparison and pool slowdowns),
-  ``plan_pool_quotas`` (elastic memory quotas) and ``precision_restore``.
+* ``periodic_inputs`` / ``PeriodicInputs.run`` / ``finish_periodic`` — from the reconcile loop:
+  ``dsec.decide.judge_pool`` (fleet comparison and pool slowdowns), ``plan_pool_quotas`` (elastic memory quotas),
+  then ``precision_restore``. ``run`` reads only frozen views and copies, so the reconciler may call it on a thread
+  (at thousands of workers it takes 100+ ms).
 
 The decisions are pure functions in ``dsec.decide`` (the simulator calls the same ones). This module keeps what
 they need between calls — one breaker and one precision guard per worker, the fleet flags — turns live workers into
@@ -233,11 +235,6 @@ class Judge:
             if (c := precision_restore(view_of(w), guard, inputs.now)) is not None:
                 changes.append(c)
         return changes, events
-
-    def periodic(self, now: float) -> tuple[list[Change], list[Event]]:
-        """One pass's periodic judgments, all on the calling thread."""
-        inputs = self.periodic_inputs(now)
-        return self.finish_periodic(inputs, inputs.run())
 
     def _active_by_pool(self) -> dict[str, list[WorkerView]]:
         out: dict[str, list[WorkerView]] = {}
