@@ -28,7 +28,7 @@ def observe_memory(
     """Each reporting worker's memory trend after its latest ``memory_used_gb`` (the planner's ramp and recent
     peak); workers that are gone are dropped.
 
-    The same as ``old.observe(used, now)`` per worker (tests/unit/test_quota_trend.py checks it), computed for
+    The same as ``old.observe(used, now)`` per worker (tests/unit/decide/test_decide.py checks it), computed for
     every worker in one numpy call: per worker, numpy's scalar operations cost ~50 us, which at 10,000 workers made
     this a third of the control plane's reconcile pass."""
     out: dict[str, MemoryTrend | None] = {}
