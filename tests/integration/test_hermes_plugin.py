@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Harness, wait_for
+from conftest import Harness, make_settings, wait_for
 from dsec.integrations.hermes import plugin as hermes_plugin
 from dsec.integrations.hermes.plugin import EpisodeResult, HermesMonitor, HermesSettings, load_settings
 from dsec.probe.reporter import ReporterConfig
@@ -159,6 +159,18 @@ def test_register_twice_keeps_one_monitor_and_one_callback_per_hook(
     hermes_plugin.register(other)
     assert hermes_plugin.get_monitor() is monitor
     assert other.hooks["post_tool_call"][0] is ctx.hooks["post_tool_call"][0]
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., Harness], tmp_path: Path) -> Harness:
+    """The control plane for the in-process monitor tests, with a liveness window of 20 beats (2 s at 0.1 s).
+
+    The monitor's reporter beats every 0.1 s from a thread of this process, sharing the GIL with the server
+    thread; a beat carrying events waits for its group commit, and one slow fsync on a shared CI disk held
+    a beat past the default 3 x 0.1 s, so the worker read ``lost`` (a CI failure). These tests are about what
+    the monitor reports; liveness has its own tests (test_restart_durability, test_probe_lifecycle).
+    """
+    return server_factory(settings=make_settings(tmp_path / "home", lost_after_beats=20), pools=True)
 
 
 def _settings(h: Harness, interval: float = 0.1, stuck: int = 2, abandon_after: float = 600) -> HermesSettings:
