@@ -105,9 +105,43 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.series = SeriesStore(retention_s=history + 2 * sc.policy_interval_s)
         self.policy_every = max(1, round(sc.policy_interval_s / sc.sample_interval_s))
         self.scopes = [Scope(p) for p in self.pool_names]
+        self.recorded: set[int] = set()  # victims whose run a failed per-worker restart already recorded
+
+    def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
+        """DSec's per-worker restarts (``restart_scope: worker``, the default for actor groups; docs/scheduling.md):
+        a failed actor is placed anew with what was learned (placement may keep it on its card) and started alone on
+        a warm standby; the learner goes on with the other actors. Nowhere to go: the group restarts as a whole."""
+        sim, d = self.sim, self.sc.dsec
+        if not d.restart_actors_alone or not self.actors_only(cause, victims):
+            return False
+        self._record_runs(victims, t, failed=True, oom=cause == "oom")
+        per_card = sim.layout.workers_per_gpu
+        old = {w: int(sim.slot_of[w]) for w in victims}
+        sim.release(victims)
+        chosen = self.choose(g, victims, t)
+        if chosen is None:
+            for w, slot in old.items():
+                sim.assign(w, slot)
+            self.recorded.update(victims)  # restart() must not record these runs twice
+            return False
+        for w, slot in chosen.items():
+            sim.assign(w, slot)
+        # As for a group (restart): a warm restart unless the old card is gone (off or degraded) — placement may pick
+        # another card of the node for the new process at no extra cost.
+        gone = sim.card_off | self.degraded
+        moved = any(gone[slot // per_card] for slot in old.values())
+        for w in victims:
+            self._reset_worker(w)
+        recovery = d.restart_reschedule_s if moved else d.restart_s
+        self.last_recovery[g] = recovery
+        self.counts[f"restart_alone:{cause}"] += 1
+        sim.lose_workers(g, t, cause, victims, recovery)
+        return True
 
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
-        self._record_runs(victims, t, failed=cause in ("crash", "oom"), oom=cause == "oom")
+        unrecorded = [w for w in victims if w not in self.recorded]
+        self.recorded.clear()
+        self._record_runs(unrecorded, t, failed=cause in ("crash", "oom"), oom=cause == "oom")
         sim = self.sim
         d, per_card = self.sc.dsec, sim.layout.workers_per_gpu
         gone = sim.card_off | self.degraded

@@ -7,7 +7,9 @@ modules), and the groups' training rates for the next interval follow from the r
 
 Progress is accounted exactly between events: a running group advances at its current rate (useful optimizer steps
 per second, already discounted by statistical efficiency); a failure rolls it back to its last durable point
-(checkpoint or snapshot); a checkpoint or snapshot costs its blocking time at the current rate.
+(checkpoint or snapshot); a checkpoint or snapshot costs its blocking time at the current rate. Where the regime
+restarts failed workers *alone* (actors: RLlib's env-runner fault tolerance, DSec's per-worker restarts), nothing
+rolls back: the group trains on without them until their replacements are up (:meth:`Simulation.lose_workers`).
 
 The group's step, per sample (the learner synchronizes with every worker of the group):
 
@@ -16,7 +18,8 @@ The group's step, per sample (the learner synchronizes with every worker of the 
   it synchronizes every 4th step, so it holds the group up a quarter as often — a fluid approximation);
 - the learner waits up to ``straggler_timeout_ms`` past the median arrival, then goes on without the late ones
   (their gradients are dropped: a failed sync);
-- a worker whose asynchronous sampling is paused contributes no samples and does not hold the group up;
+- a worker whose asynchronous sampling is paused, or whose process is down while it restarts alone, contributes
+  no samples and does not hold the group up;
 - the step is worth the mean of its workers' contributions: 0 for dropped or paused, otherwise the statistical
   efficiency of what was sent (4-bit compression, accumulation staleness).
 """
@@ -50,6 +53,7 @@ class Regime(Protocol):
     def attach(self, sim: Simulation) -> None: ...
     def place_all(self, t: float) -> None: ...
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float: ...
+    def fail_workers(self, t: float, cause: str, victims: list[int]) -> None: ...
     def power_off(self, t: float, cards: list[int]) -> None: ...
     def capacity_back(self, t: float) -> None: ...
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None: ...
@@ -57,7 +61,7 @@ class Regime(Protocol):
     def decisions(self) -> dict[str, int]: ...
 
 
-_UP, _DURABLE = 0, 1
+_UP, _DURABLE, _REJOIN = 0, 1, 2
 
 
 class Simulation:
@@ -84,6 +88,9 @@ class Simulation:
         self.bits_frac = np.ones(self.N)
         self.accum = np.ones(self.N)
         self.paused = np.zeros(self.N, dtype=bool)
+        # Workers restarting alone (their group trains on without them), and since when.
+        self.absent = np.zeros(self.N, dtype=bool)
+        self.absent_since = np.zeros(self.N)
         # Groups.
         self.status = np.full(g, PENDING)
         self.epoch = np.zeros(g, dtype=np.int64)
@@ -131,7 +138,7 @@ class Simulation:
         ``bursts``: the steady part only (base + what the card leaked)."""
         mem = self.sc.groups.memory
         slot = self.slot_of[sel]
-        placed = slot >= 0
+        placed = (slot >= 0) & ~self.absent[sel]  # a process restarting alone holds no memory
         card = np.where(placed, slot // self.layout.workers_per_gpu, 0)
         used = mem.base_gb + self.truth.leak_gb_per_h[card] * np.maximum(0.0, t - self.run_start[sel]) / 3600.0
         if bursts:
@@ -142,9 +149,10 @@ class Simulation:
             used = used + np.where(self.accum[sel] > 1, burst * mem.accumulation_burst_factor, burst)
         return np.where(placed, used, 0.0)
 
-    def _push(self, t: float, kind: int, g: int) -> None:
+    def _push(self, t: float, kind: int, g: int, target: int | None = None) -> None:
+        """Schedule ``kind`` for group ``g`` (``target``: the worker for a rejoin), void if the group fails first."""
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, g, int(self.epoch[g])))
+        heapq.heappush(self._heap, (t, self._seq, kind, g if target is None else target, int(self.epoch[g])))
 
     # -- group lifecycle ---------------------------------------------------------------------------------------------
     def account(self, t: float, sel: slice = slice(None)) -> None:
@@ -192,11 +200,39 @@ class Simulation:
             self.occupant[slot] = w
         self.slot_of[w] = slot
 
+    def lose_workers(self, g: int, t: float, cause: str, victims: list[int], recovery_s: float) -> None:
+        """Workers ``victims`` of the running group ``g`` ended at ``t`` and restart alone, back in ``recovery_s``
+        (their slots already chosen by the regime); the group trains on without them, nothing is rolled back. Their
+        absence is charged as restart time: each absent worker-second is 1/n of a group-second."""
+        self.account(t, slice(g, g + 1))
+        for w in victims:
+            self.absent[w] = True
+            self.absent_since[w] = t
+            self.run_start[w] = t + recovery_s
+            self.saw_throttle[w] = False
+            self.burst_end[w] = -math.inf  # a new process: what the old one held is gone
+            self._push(t + recovery_s, _REJOIN, g, target=w)
+        self.interruptions.append(
+            Interruption(t, g, cause, len(victims), recovery_s, 0.0, int(self.is_learner[victims].sum()))
+        )
+
+    def _rejoin(self, w: int, t: float) -> None:
+        if self.absent[w]:
+            self.account(t, slice(int(self.group_of[w]), int(self.group_of[w]) + 1))
+            self.down_s[self.group_of[w]] += (t - self.absent_since[w]) / self.n
+            self.absent[w] = False
+
+    def _rejoin_all(self, g: int, t: float) -> None:
+        """Close the absences of group ``g``'s workers at ``t`` (the group stops, or the run ends)."""
+        for w in self.workers_of(g):
+            self._rejoin(w, t)
+
     def fail(self, g: int, t: float, cause: str, victims: list[int], durable_first: bool = False) -> None:
         """Workers ``victims`` of group ``g`` ended at ``t`` (crash, OOM, power, migration); the group stops and
         the regime restarts it. ``durable_first``: the state was saved just before (planned moves)."""
         if self.status[g] == PENDING:
             return
+        self._rejoin_all(g, t)  # workers restarting alone go down with the group (and their restart is void)
         self.account(t, slice(g, g + 1))
         if self.status[g] == DOWN:
             self.down_s[g] += t - self.down_since[g]
@@ -210,7 +246,8 @@ class Simulation:
         self.down_since[g] = t
         self.rate[g] = self.raw_rate[g] = 0.0
         recovery = self.regime.restart(g, t, cause, victims)
-        self.interruptions.append(Interruption(t, g, cause, len(victims), recovery, lost))
+        learners = int(self.is_learner[victims].sum())
+        self.interruptions.append(Interruption(t, g, cause, len(victims), recovery, lost, learners))
 
     # -- the loop ------------------------------------------------------------------------------------------------------
     def run(self, on_progress: Callable[[int, int], None] | None = None) -> Outcome:
@@ -246,6 +283,7 @@ class Simulation:
                     on_progress(k, ticks)
         self.account(horizon)
         for g in range(self.G):
+            self._rejoin_all(g, horizon)
             if self.status[g] == DOWN:
                 self.down_s[g] += horizon - self.down_since[g]
             elif self.status[g] == PENDING:
@@ -272,6 +310,10 @@ class Simulation:
         )
 
     def _own_event(self, t: float, _seq: int, kind: int, g: int, epoch: int) -> None:
+        if kind == _REJOIN:  # ``g`` is the worker here
+            if epoch == self.epoch[self.group_of[g]]:  # else its group failed meanwhile: the restart is void
+                self._rejoin(g, t)
+            return
         if epoch != self.epoch[g]:
             return  # the group failed since this was scheduled
         if kind == _UP and self.status[g] == DOWN:
@@ -297,8 +339,8 @@ class Simulation:
             self.throttled[target] = max(0, self.throttled[target] - 1)
         elif kind == Kind.CRASH:
             w = int(self.occupant[target])
-            if w >= 0 and self.status[self.group_of[w]] == RUN:
-                self.fail(int(self.group_of[w]), t, "crash", [w])
+            if w >= 0 and self.status[self.group_of[w]] == RUN and not self.absent[w]:
+                self.regime.fail_workers(t, "crash", [w])
         elif kind == Kind.BURST:
             ramp = self.sc.groups.memory.burst_ramp_s
             self.burst_t0[target] = t
@@ -343,7 +385,8 @@ class Simulation:
     def _rates(self, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
         sc = self.sc
         n, G = self.n, self.G
-        paused = self.paused.reshape(G, n)
+        out = self.paused | self.absent  # neither sends samples nor holds the group up
+        paused = out.reshape(G, n)
         stall = latency_ms / 1000.0 / self.accum
         arrival = np.where(paused, np.inf, (compute_s + stall).reshape(G, n))
         active = ~paused
@@ -362,7 +405,7 @@ class Simulation:
         contrib = np.where(self.bits_frac < 1.0, eff.compressed_4bit, 1.0) * np.where(
             self.accum > 1, eff.accumulated, 1.0
         )
-        contrib = np.where(dropped.ravel() | self.paused, 0.0, contrib).reshape(G, n)
+        contrib = np.where(dropped.ravel() | out, 0.0, contrib).reshape(G, n)
         useful = contrib.mean(axis=1)
         run = self.status == RUN
         ok = run & (counts > 0) & (step_s > 0)

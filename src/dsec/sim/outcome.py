@@ -16,6 +16,7 @@ class Interruption:
     workers: int  # workers whose process ended
     recovery_s: float  # from the failure to training again (restart; without time spent waiting for capacity)
     rolled_back_steps: float
+    learners: int = 0  # of the workers, learners (a failure without one need not roll back: actors hold no state)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -25,6 +26,7 @@ class Interruption:
             "workers": self.workers,
             "recovery_s": round(self.recovery_s, 3),
             "rolled_back_steps": round(self.rolled_back_steps, 2),
+            "learners": self.learners,
         }
 
 

@@ -2,7 +2,8 @@
 
 - :class:`Baseline` — common practice: Kubernetes + DDP/torchrun semantics. First-fit placement (bin-packing, as
   gang schedulers do for GPU jobs), no memory limits per worker (an OOM on a card kills every worker on it), any
-  failure restarts the whole group from its last full checkpoint, stragglers are waited for up to a timeout.
+  failure restarts the whole group from its last full checkpoint, stragglers are waited for up to a timeout; and
+  :class:`TunedBaseline`, what a competent team runs (actors among them restarted alone, as RLlib does).
 - :class:`~dsec.sim.dsec_regime.DsecRegime` — the same cluster run by DSec's *own* decision code
   (``dsec.decide`` and the cores it calls), in virtual time; it lives in its own module. This module holds no
   decision of DSec's: only the regimes' common mechanics and the baseline's.
@@ -120,14 +121,29 @@ class Regime:
         raise NotImplementedError
 
     def running_workers(self) -> np.ndarray:
-        return np.flatnonzero(self.sim.status[self.sim.group_of] == RUN)
+        """Workers of running groups whose process is up (not restarting alone)."""
+        sim = self.sim
+        return np.flatnonzero((sim.status[sim.group_of] == RUN) & ~sim.absent)
 
     def fail_workers(self, t: float, cause: str, victims: list[int]) -> None:
+        """Processes ``victims`` ended (a crash, an OOM): per group, restart them alone when the regime does
+        (:meth:`recover_alone`), else the group fails and restarts from its last durable point."""
         by_group: dict[int, list[int]] = {}
         for w in victims:
             by_group.setdefault(int(self.sim.group_of[w]), []).append(int(w))
         for g, ws in sorted(by_group.items()):
-            self.sim.fail(g, t, cause, ws)
+            if not self.recover_alone(g, t, cause, ws):
+                self.sim.fail(g, t, cause, ws)
+
+    def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
+        """Restart ``victims`` of group ``g`` alone while the group trains on (``Simulation.lose_workers``), if
+        this regime does; False: the group restarts as a whole. The naive baseline never does (torchrun restarts
+        every worker of the job)."""
+        return False
+
+    def actors_only(self, cause: str, victims: list[int]) -> bool:
+        """A process failure (not a planned move) of actors only: no learner state is lost, nothing to roll back."""
+        return cause in ("crash", "oom") and not bool(self.sim.is_learner[victims].any())
 
     def meltdowns(self) -> int | None:
         return None
@@ -219,7 +235,7 @@ class TunedBaseline(Baseline):
             return None
         return {w: int(s) for w, s in zip(workers, free[: len(workers)], strict=True)}
 
-    def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
+    def fail_workers(self, t: float, cause: str, victims: list[int]) -> None:
         sim, per_card = self.sim, self.sim.layout.workers_per_gpu
         if cause == "crash":  # a hardware/driver fault (XID); an OOM is the workload's, not the card's
             for w in victims:
@@ -229,6 +245,29 @@ class TunedBaseline(Baseline):
                     if self.failures[card] >= self.tuned.cordon_after_failures and not self.cordoned[card]:
                         self.cordoned[card] = True
                         self.counts["cordoned_cards"] += 1
+        super().fail_workers(t, cause, victims)
+
+    def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
+        """Actor fault tolerance (RLlib's ``restart_failed_env_runners``, IMPALA-style actor pools): a failed actor is
+        recreated, in place unless its card is gone or cordoned; the learner goes on with the other actors."""
+        if not self.tuned.actor_fault_tolerance or not self.actors_only(cause, victims):
+            return False
+        sim = self.sim
+        moving = self.to_move(g, victims, cause)
+        if moving:
+            sim.release(moving)
+            chosen = self.first_fit(moving)
+            if chosen is None:  # nowhere to go: the group restarts as a whole (and waits for capacity)
+                return False
+            for w, slot in chosen.items():
+                sim.assign(w, slot)
+        self.counts[f"restart_alone:{cause}"] += 1
+        tuned = self.tuned
+        sim.lose_workers(g, t, cause, victims, tuned.restart_reschedule_s if moving else tuned.restart_in_place_s)
+        return True
+
+    def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
+        sim, per_card = self.sim, self.sim.layout.workers_per_gpu
         moved = self.to_move(g, victims, cause)
         off = sim.card_off | self.cordoned
         gone = any(sim.slot_of[w] < 0 or off[sim.slot_of[w] // per_card] for w in sim.workers_of(g))
@@ -237,7 +276,8 @@ class TunedBaseline(Baseline):
 
     def to_move(self, g: int, victims: list[int], cause: str) -> list[int]:
         per_card = self.sim.layout.workers_per_gpu
-        return [w for w in victims if self.sim.slot_of[w] >= 0 and self.cordoned[self.sim.slot_of[w] // per_card]]
+        off = self.sim.card_off | self.cordoned
+        return [w for w in victims if self.sim.slot_of[w] >= 0 and off[self.sim.slot_of[w] // per_card]]
 
     def power_loss(self, g: int, t: float, victims: list[int]) -> None:
         if not self.tuned.drain_before_power_off:

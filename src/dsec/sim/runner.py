@@ -122,7 +122,8 @@ def simulate(
     on_progress: Callable[[float, float], None] | None = None,
 ) -> Comparison:
     """Every regime on the same hidden truth and the same fault trace. The tuned baseline's checkpoint interval is
-    Young/Daly for the failure rate the naive baseline measured (unless the scenario fixes it).
+    Young/Daly for the rate of failures that roll the learner back, as the naive baseline measured it (unless the
+    scenario fixes it).
 
     ``on_progress(done, total)``: simulated hours done over all regimes (the regimes run one after the other, each
     over the whole horizon), reported every 10 simulated minutes."""
@@ -146,7 +147,12 @@ def simulate(
         outcome.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         outcomes[name] = outcome
         if name == "baseline":
-            failures = sum(1 for i in outcome.interruptions if i.cause != "power")
+            # The failures a checkpoint is for: those that roll the learner back (with actor fault tolerance, an
+            # actor's failure does not; the naive baseline restarts the group on every failure, so count by victims).
+            rollback_only = sc.baseline.tuned.actor_fault_tolerance
+            failures = sum(
+                1 for i in outcome.interruptions if i.cause != "power" and (i.learners > 0 or not rollback_only)
+            )
             mtbf = outcome.groups * outcome.duration_s / max(1, failures)
             interval = young_daly_interval_s(sc.baseline.tuned.checkpoint_blocking_s, mtbf)
     return Comparison(sc, outcomes, dict(trace.counts), int(truth.bad.sum()), ideal_goodput(sc, trace))

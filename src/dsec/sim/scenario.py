@@ -100,6 +100,9 @@ class TunedBaseline(_Strict):
     drain_before_power_off: bool = True  # planned power-off: SIGTERM, checkpoint, then stop (no work lost)
     cordon_after_failures: int = Field(3, ge=1)  # a card on which this many workers crashed gets no new ones
     per_process_oom: bool = True  # a CUDA OOM raises in the allocating process only (the largest user fails)
+    # A failed actor is recreated alone (RLlib's restart_failed_env_runners, IMPALA-style actor pools), in place
+    # (restart_in_place_s) unless its card is gone or cordoned (restart_reschedule_s); the learner trains on.
+    actor_fault_tolerance: bool = True
 
 
 class Baseline(_Strict):
@@ -140,6 +143,10 @@ class Dsec(_Strict):
     # A design study, not what the control plane does yet (dsec.quota.relief): accumulation for the steepest-ramping
     # worker of a card whose projected usage overflows it, until its burst is over.
     memory_relief: bool = False
+    # Per-worker restarts of actors (restart_scope: worker, the launcher's default for actor groups): a failed actor
+    # restarts alone (restart_s on a warm standby, restart_reschedule_s when placement moves it), nothing rolls back.
+    # False: every failure restarts the group from its snapshot (the simulator before 2026-12-03).
+    restart_actors_alone: bool = True
 
 
 class Efficiency(_Strict):

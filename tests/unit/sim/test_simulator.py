@@ -24,7 +24,7 @@ from dsec.sim.report import write_report
 from dsec.sim.runner import scenario_policies, simulate
 from dsec.sim.scenario import Scenario, load_scenario
 from dsec.sim.sweep import findings, points
-from dsec.sim.world import Kind, generate, layout_of, truth_of
+from dsec.sim.world import RUN, Kind, Trace, generate, layout_of, truth_of
 from dsec.yamlconf import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -466,3 +466,65 @@ def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_oo
             relieved += o.decisions.get("memory_relief", 0) if relief else 0
     assert relieved > 0
     assert ooms[False] > 0 and ooms[True] < ooms[False], ooms
+
+
+def _crashes(at: list[tuple[float, int]]) -> Trace:
+    """A trace of process crashes only: (time, slot)."""
+    return Trace(
+        times=np.array([t for t, _ in at]),
+        kinds=np.array([Kind.CRASH] * len(at)),
+        targets=np.array([s for _, s in at]),
+        values=np.zeros(len(at)),
+    )
+
+
+@pytest.mark.parametrize("regime", ["tuned", "dsec"])
+def test_a_failed_actor_restarts_alone_and_nothing_rolls_back_a_failed_learner_still_does(regime: str) -> None:
+    sc = small(**{**QUIET, "baseline": {"tuned": {"cordon_after_failures": 10}}})  # these crashes share a card
+    make = (lambda: TunedBaseline(sc, 600.0)) if regime == "tuned" else (lambda: DsecRegime(sc, None))
+    alone_s = sc.baseline.tuned.restart_in_place_s if regime == "tuned" else sc.dsec.restart_s
+    group_s = alone_s  # in place: no card is gone
+    probe = Simulation(sc, make(), trace=_crashes([]))
+    probe.regime.place_all(0.0)
+    learner, actor, other = (int(probe.slot_of[w]) for w in (0, 1, 2))  # group 0: worker 0 is its learner
+    # An actor at 600 s; the learner while the actor is still restarting (its restart goes down with the group);
+    # another actor at 1800 s (DSec may have placed the first one elsewhere meanwhile).
+    trace = _crashes([(600.0, actor), (601.0, learner), (1800.0, other)])
+    sim = Simulation(sc, make(), trace=trace)
+    o = sim.run()
+    first, second, third = o.interruptions
+    assert (first.cause, first.workers, first.learners, first.rolled_back_steps) == ("crash", 1, 0, 0.0)
+    assert first.recovery_s == pytest.approx(alone_s)
+    assert second.learners == 1 and second.rolled_back_steps > 0  # the learner's state is gone: back to the save
+    assert third.learners == 0 and third.rolled_back_steps == 0.0
+    # Restart time charged: an absent actor is 1/6 of its group; the first absence ended with the group's restart.
+    assert o.down_s[0] == pytest.approx(1.0 / 6 + group_s + alone_s / 6)
+    assert o.down_s[1:].sum() == 0 and not sim.absent.any()
+    # While the actor restarted, its group trained on at 5/6 of the pace of an untouched group.
+    assert o.progress[0] < o.progress[1]
+    assert float(o.rolled_back[0]) == pytest.approx(second.rolled_back_steps)
+
+
+def test_the_naive_baseline_restarts_the_whole_group_for_an_actor() -> None:
+    sc = small(**QUIET)
+    probe = Simulation(sc, Baseline(sc), trace=_crashes([]))
+    probe.regime.place_all(0.0)
+    o = Simulation(sc, Baseline(sc), trace=_crashes([(900.0, int(probe.slot_of[1]))])).run()
+    (only,) = o.interruptions
+    assert only.learners == 0 and only.rolled_back_steps > 0 and only.recovery_s == sc.baseline.restart_s
+    off = small(**{**QUIET, "baseline": {"tuned": {"actor_fault_tolerance": False}}})
+    (tuned,) = (
+        Simulation(off, TunedBaseline(off, 600.0), trace=_crashes([(900.0, int(probe.slot_of[1]))])).run().interruptions
+    )
+    assert tuned.rolled_back_steps > 0  # switched off: the tuned baseline restarts the group too
+
+
+def test_an_absent_actor_holds_no_memory_and_is_not_judged() -> None:
+    sc = small(**QUIET)
+    r = DsecRegime(sc, None)
+    sim = Simulation(sc, r, trace=_crashes([]))
+    r.place_all(0.0)
+    sim.status[:] = RUN
+    sim.lose_workers(0, 10.0, "crash", [1], 3.0)
+    assert sim.memory(11.0)[1] == 0.0 and sim.memory(11.0)[2] > 0
+    assert 1 not in r.running_workers().tolist() and 2 in r.running_workers().tolist()
