@@ -8,7 +8,7 @@ only after that commit succeeded. Plain metric beats only touch memory.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from dsec.control import errors
 from dsec.control.state import HotState
@@ -44,6 +44,15 @@ class DurableLog:
         assert self.writer is not None, "DurableLog.bind() was not called"
         try:
             return await asyncio.wrap_future(self.writer.submit(batch))
+        except StoreError as exc:
+            raise errors.unavailable(f"state store unavailable, retry later: {exc}") from exc
+
+    async def prune_events(self, before: float, keep: Sequence[EventType]) -> int:
+        """Delete events older than ``before`` (but those of types ``keep``) on the writer's thread, between its
+        transactions (``GroupCommitWriter.run_exclusive``); how many were deleted."""
+        assert self.writer is not None, "DurableLog.bind() was not called"
+        try:
+            return await asyncio.wrap_future(self.writer.run_exclusive(lambda store: store.prune_events(before, keep)))
         except StoreError as exc:
             raise errors.unavailable(f"state store unavailable, retry later: {exc}") from exc
 

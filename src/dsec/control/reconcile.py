@@ -86,7 +86,7 @@ class Reconciler:
         pruned = 0
         cutoff = retention.event_cutoff(now, self.settings.event_retention_s)
         if cutoff is not None:
-            pruned = await asyncio.to_thread(self.store.prune_events, cutoff, retention.KEPT_TYPES)
+            pruned = await self.log.prune_events(cutoff, retention.KEPT_TYPES)
         if gone or pruned:
             logger.info("retention: forgot %d deregistered worker(s), pruned %d event(s)", len(gone), pruned)
         return gone, pruned

@@ -5,6 +5,10 @@ a directive change) ``submit`` a batch and await its future. The thread takes ev
 while the previous transaction was running and writes it in one transaction together with the hot
 rows marked dirty since — so under load the number of commits stays roughly constant while the
 number of requests per commit grows. Heartbeats without events never wait for the database at all.
+
+Maintenance writes that are not a batch (event retention's DELETE) run on the same thread between two
+transactions (``run_exclusive``), so this process never holds two write transactions at once: SQLite has one
+writer, and a long DELETE from another thread made a group commit fail with "database is locked" under load.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from dsec.control.store import PlacementRow, Store, StoreConflict, WorkerRow, WriteBatch
 from dsec.model import Pool
@@ -23,6 +28,15 @@ from dsec.model import Pool
 log = logging.getLogger(__name__)
 
 _STOP = object()
+T = TypeVar("T")
+
+
+@dataclass
+class _Exclusive:
+    """A call to run on the writer thread, after the batches queued before it are written."""
+
+    fn: Callable[[Store], Any]
+    fut: Future[Any]
 
 
 class GroupCommitWriter:
@@ -44,6 +58,7 @@ class GroupCommitWriter:
         self._max_batch = max_batch
         self._max_hot_rows = max_hot_rows
         self._queue: queue.Queue[Any] = queue.Queue()
+        self._due: list[_Exclusive] = []  # drained exclusive calls, run once the batches before them are written
         self.commits = 0
         self.failures = 0
         self._thread = threading.Thread(target=self._run, name="dsec-writer", daemon=True)
@@ -57,12 +72,25 @@ class GroupCommitWriter:
         self._queue.put((batch, fut))
         return fut
 
+    def run_exclusive(self, fn: Callable[[Store], T]) -> Future[T]:
+        """Run ``fn(store)`` on the writer thread once the batches submitted before it are written, with no
+        transaction of this writer open beside it; its result (or exception) settles the future."""
+        fut: Future[T] = Future()
+        fut.set_running_or_notify_cancel()
+        self._queue.put(_Exclusive(fn, fut))
+        return fut
+
     def _drain(self, first: Any) -> tuple[list[tuple[WriteBatch, Future[list[int]]]], bool]:
+        """The batches queued now (up to ``max_batch``); stops at an exclusive call, which waits in ``_due`` for
+        them to be written (the batches after it stay queued until it ran)."""
         items, stop = [], False
         item = first
         while True:
             if item is _STOP:
                 stop = True
+            elif isinstance(item, _Exclusive):
+                self._due.append(item)
+                break
             elif item is not None:
                 items.append(item)
             if len(items) >= self._max_batch:
@@ -89,9 +117,22 @@ class GroupCommitWriter:
                 stop = self._flush(items) or stop
             else:
                 self._commit(items, [])
-        # Anything submitted after close() began still gets written.
-        leftover, _ = self._drain(None)
-        self._flush(leftover)
+            self._run_due()
+        # Anything submitted after close() began still gets written (and run).
+        while True:
+            leftover, _ = self._drain(None)
+            self._flush(leftover)
+            if not self._due:
+                break
+            self._run_due()
+
+    def _run_due(self) -> None:
+        due, self._due = self._due, []
+        for call in due:
+            try:
+                call.fut.set_result(call.fn(self._store))
+            except Exception as exc:  # the caller gets it; the writer goes on
+                call.fut.set_exception(exc)
 
     def _flush(self, items: list[tuple[WriteBatch, Future[list[int]]]]) -> bool:
         """Write the dirty hot rows with ``items``: at most ``max_hot_rows`` per transaction, the requests queued

@@ -7,6 +7,7 @@ those modules would alter; no server is started, so a mutant runs in about a sec
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -392,3 +393,29 @@ async def test_a_failed_judgment_leaves_the_role_as_it_was(cp: ControlPlane, mon
     with pytest.raises(RuntimeError):
         await _beat(cp, w, 1, inferred_role={"role": "learner", "evidence": {}})
     assert w.info.role is Role.OTHER and w.last_seq == 0
+
+
+@pytest.fixture
+async def cp_retaining(tmp_path: Path, clock: Clock) -> AsyncIterator[ControlPlane]:
+    async for plane in _plane(tmp_path, clock, event_retention_s=3600.0):
+        yield plane
+
+
+async def test_event_retention_prunes_on_the_writer_thread(
+    cp_retaining: ControlPlane, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cp = cp_retaining
+    w = await _worker(cp)
+    await cp.log.record_events([Event(ts=clock.now, type=EventType.LOG, worker_id=w.id, data={"k": 1})])
+    threads: list[str] = []
+    prune = cp.store.prune_events
+
+    def recording(before: float, keep: Any = ()) -> int:
+        threads.append(threading.current_thread().name)
+        return prune(before, keep)
+
+    monkeypatch.setattr(cp.store, "prune_events", recording)
+    clock.now += 2 * 3600.0
+    _, pruned = await cp.retain(force=True)
+    assert threads == ["dsec-writer"]  # not a thread of its own beside the group commit
+    assert pruned >= 1 and _events(cp, w, EventType.LOG) == []

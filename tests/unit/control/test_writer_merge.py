@@ -14,6 +14,7 @@ from dsec.control.store import (
     EventQuery,
     PlacementRow,
     PolicyRow,
+    Store,
     StoreConflict,
     StoreUnavailable,
     WorkerRow,
@@ -66,13 +67,18 @@ class GatedStore(SqlStore):
         self.armed = threading.Event()
         self.writing = threading.Event()
         self.gate = threading.Event()
+        self.writing_now = False  # a write transaction of this store is under way
 
     def write(self, batch: WriteBatch) -> list[int]:
-        if self.armed.is_set():
-            self.armed.clear()
-            self.writing.set()
-            assert self.gate.wait(10)
-        return super().write(batch)
+        self.writing_now = True
+        try:
+            if self.armed.is_set():
+                self.armed.clear()
+                self.writing.set()
+                assert self.gate.wait(10)
+            return super().write(batch)
+        finally:
+            self.writing_now = False
 
 
 @pytest.fixture
@@ -209,3 +215,48 @@ def test_a_failed_part_marks_its_rows_and_the_parts_after_it_dirty_again(tmp_pat
         store.close()
     assert stored == {f"w{i:05d}" for i in range(1000)}  # the first part only
     assert sorted(marked) == [f"w{i:05d}" for i in range(1000, 2500)]  # retried by the next flush
+
+
+# -- exclusive calls (event retention) --------------------------------------------------------------------------------
+def test_an_exclusive_call_runs_on_the_writer_thread_after_the_batches_before_it(gated: GatedStore) -> None:
+    """Event retention's DELETE ran on another thread beside the group commit; SQLite has one writer, and under
+    registration load a commit failed with "database is locked". Now it runs on the writer's thread, after what was
+    submitted before it and before what was submitted after; its error goes to its caller, the writer goes on."""
+    writer = GroupCommitWriter(gated, take_dirty=list, mark_dirty=lambda *ids: None, flush_interval_s=60)
+    seen: list[tuple[str, bool, list[str]]] = []
+
+    def prune(store: Store) -> int:
+        stored = [e.data["msg"] for e in store.query_events(EventQuery(limit=10))]
+        seen.append((threading.current_thread().name, gated.writing_now, stored))
+        return store.prune_events(before=10.0)  # every event here has ts 1.0
+
+    try:
+        gated.armed.set()
+        first = writer.submit(WriteBatch(events=[ev("first")]))
+        assert gated.writing.wait(10)  # the first transaction is open, held at the gate
+        pruned = writer.run_exclusive(prune)
+        after = writer.submit(WriteBatch(events=[ev("after")]))
+        gated.gate.set()
+        assert len(first.result(10)) == 1
+        assert pruned.result(10) == 1  # "first" only: "after" waited for the prune
+        assert len(after.result(10)) == 1
+        with pytest.raises(ZeroDivisionError):
+            writer.run_exclusive(lambda store: 1 / 0).result(10)
+        assert writer.alive()
+    finally:
+        writer.close()
+    assert seen == [("dsec-writer", False, ["first"])]
+    assert [e.data["msg"] for e in gated.query_events(EventQuery(limit=10))] == ["after"]
+
+
+def test_an_exclusive_call_submitted_while_closing_still_runs(gated: GatedStore) -> None:
+    writer = GroupCommitWriter(gated, take_dirty=list, mark_dirty=lambda *ids: None, flush_interval_s=60)
+    gated.armed.set()
+    writer.submit(WriteBatch(events=[ev("held")]))
+    assert gated.writing.wait(10)
+    closing = threading.Thread(target=writer.close)
+    closing.start()
+    late = writer.run_exclusive(lambda store: "ran")
+    gated.gate.set()
+    closing.join(10)
+    assert late.result(10) == "ran"
