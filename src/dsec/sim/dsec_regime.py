@@ -17,6 +17,7 @@ import numpy as np
 
 from dsec.breaker import BreakerConfig
 from dsec.decide import PoolGauges, policy_samples
+from dsec.decide.cadence import snapshot_interval_s
 from dsec.decide.gauges import sync_success, utilization
 from dsec.health.fleet import DEFAULT_FEATURES, FleetConfig
 from dsec.model import DeviceHealth, Pool, WorkerState
@@ -106,6 +107,9 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.policy_every = max(1, round(sc.policy_interval_s / sc.sample_interval_s))
         self.scopes = [Scope(p) for p in self.pool_names]
         self.recorded: set[int] = set()  # victims whose run a failed per-worker restart already recorded
+        # Failure history for the snapshot cadence: group-seconds trained (per sample) and rollbacks seen.
+        self.exposure_s = 0.0
+        self.rollbacks = 0
 
     def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
         """DSec's per-worker restarts (``restart_scope: worker``, the default for actor groups; docs/scheduling.md):
@@ -139,6 +143,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         return True
 
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
+        if cause in ("crash", "oom"):
+            self.rollbacks += 1  # a failure the group restarts from its snapshot for (planned moves save first)
         unrecorded = [w for w in victims if w not in self.recorded]
         self.recorded.clear()
         self._record_runs(unrecorded, t, failed=cause in ("crash", "oom"), oom=cause == "oom")
@@ -177,8 +183,15 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf, -math.inf), strict=True):
             arr[w] = v  # a new process: the old one's trend is gone with it
 
+    def durable_interval(self, g: int, t: float) -> float:
+        if self.sc.dsec.snapshot_cadence == "fixed":
+            return self.durable_interval_s
+        d = self.sc.dsec
+        return snapshot_interval_s(d.snapshot_cost_s, self.exposure_s, self.rollbacks, d.snapshot_interval_s)
+
     # -- per sample --------------------------------------------------------------------------------------------------
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
+        self.exposure_s += float(np.count_nonzero(self.sim.status == RUN)) * self.sc.sample_interval_s
         run = self.running_workers()
         if len(run):
             self._ooms(t, run, mem)

@@ -54,6 +54,7 @@ class Regime(Protocol):
     def place_all(self, t: float) -> None: ...
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float: ...
     def fail_workers(self, t: float, cause: str, victims: list[int]) -> None: ...
+    def durable_interval(self, g: int, t: float) -> float: ...
     def power_off(self, t: float, cards: list[int]) -> None: ...
     def capacity_back(self, t: float) -> None: ...
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None: ...
@@ -321,14 +322,14 @@ class Simulation:
             self.status[g] = RUN
             self.acc_t[g] = t
             self._fault_free_rate(g)
-            self._push(t + self.regime.durable_interval_s, _DURABLE, g)
+            self._push(t + self.regime.durable_interval(g, t), _DURABLE, g)
         elif kind == _DURABLE and self.status[g] == RUN:
             self.account(t, slice(g, g + 1))
             self.durable[g] = self.progress[g]
             cost = self.regime.durable_cost_s
             self.acc_t[g] = t + cost  # training stands still while the state is saved
             self.blocked_s[g] += cost
-            self._push(t + self.regime.durable_interval_s, _DURABLE, g)
+            self._push(t + self.regime.durable_interval(g, t), _DURABLE, g)
 
     def _trace_event(self, t: float, kind: int, target: int, value: float) -> None:
         if kind == Kind.THROTTLE_ON:

@@ -13,7 +13,6 @@ Neither regime reads the hidden truth (``Simulation.truth``); both see the same 
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from importlib import resources
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import yaml
 
+from dsec.decide.cadence import young_interval_s
 from dsec.policy import PolicySet, compile_policies, load_policies
 from dsec.sim.scenario import Scenario
 from dsec.sim.world import RUN
@@ -42,6 +42,10 @@ class Regime:
 
     def attach(self, sim: Simulation) -> None:
         self.sim = sim
+
+    def durable_interval(self, g: int, t: float) -> float:
+        """Seconds from a save (checkpoint, snapshot) of group ``g`` at ``t`` to its next one."""
+        return self.durable_interval_s
 
     # -- placement ---------------------------------------------------------------------------------------------------
     def choose(self, g: int, workers: list[int], t: float) -> dict[int, int] | None:
@@ -300,4 +304,4 @@ class TunedBaseline(Baseline):
 def young_daly_interval_s(blocking_s: float, mtbf_s: float) -> float:
     """Young's optimal checkpoint interval sqrt(2 C M) for a checkpoint costing ``blocking_s`` and a mean time between
     failures ``mtbf_s`` (Daly's higher-order terms change it by little when C << M); at least 10 s."""
-    return max(10.0, math.sqrt(2.0 * max(blocking_s, 1e-3) * mtbf_s))
+    return max(10.0, young_interval_s(max(blocking_s, 1e-3), mtbf_s))
