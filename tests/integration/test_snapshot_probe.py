@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,3 +116,39 @@ def test_restore_flag_is_validated(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip
     assert nodir.returncode == 2 and "--restore needs --snapshot-dir" in nodir.stderr
+
+
+def test_cadence_from_failure_history_stretches_the_interval_of_a_group_that_never_rolled_back(
+    server_factory: Callable[..., Harness], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same script twice, snapshots configured every 1 s: ``fixed`` takes one a second; ``failure_history``
+    with a long quiet history (what the supervisor passes for ``snapshots.cadence: failure_history``) takes the
+    first at 1 s (no cost measured before), then Young's interval for its measured cost — tens of seconds."""
+    cp = server_factory(pools=True)
+    monkeypatch.setenv("DSEC_SNAPSHOT_INTERVAL_S", "1")
+    counts: dict[str, list[dict[str, Any]]] = {}
+    for mode in ("fixed", "failure_history"):
+        monkeypatch.setenv("DSEC_SNAPSHOT_CADENCE", mode)
+        monkeypatch.setenv("DSEC_SNAPSHOT_HISTORY", "1000000:0")
+        stop = tmp_path / f"stop-{mode}"
+        proc = _run(cp, tmp_path / f"snaps-{mode}", tmp_path / f"{mode}.log", script_args=("--stop-file", str(stop)))
+        try:
+            wait_for(lambda: cp.admin.workers(state="active"), timeout=60, what=f"the {mode} worker registering")
+            wid = cp.admin.workers(state="active")[0]["id"]
+
+            def snaps(w: str = wid) -> list[dict[str, Any]]:
+                return [e["data"] for e in cp.admin.all_events(worker_id=w, types=["snapshot"])
+                        if e["data"]["status"] == "ok"]  # fmt: skip
+
+            wait_for(snaps, timeout=30, what=f"{mode}: a first snapshot")
+            time.sleep(4.0)
+            counts[mode] = snaps()
+        finally:
+            stop.touch()
+            _stop(proc)
+        assert proc.returncode == 0, (tmp_path / f"{mode}.log").read_text()[-2000:]
+        wait_for(lambda: not cp.admin.workers(state="active"), timeout=30, what=f"the {mode} worker leaving")
+    assert len(counts["fixed"]) >= 3, counts["fixed"]
+    assert "interval_s" not in counts["fixed"][0]
+    assert len(counts["failure_history"]) == 1, counts["failure_history"]
+    assert counts["failure_history"][0]["interval_s"] >= 30.0  # the floor at least: ~sqrt(2 x cost x 1e6) here

@@ -14,9 +14,9 @@ history snapshots at its configured interval; the interval lengthens while nothi
 each rollback. Bounds keep the interval between the snapshot writer's limit and a cap on what one unforeseen
 failure can cost.
 
-A design study (issue 17): the simulator runs it with ``dsec.snapshot_cadence: failure_history``; the control plane
-does not issue it yet (it would count ``recovery`` events of mode ``restart`` per pool, take ``C`` from the probes'
-snapshot events and set the directive's ``snapshot_interval_s``).
+Used by the probe (``snapshots: {cadence: failure_history}`` in a job file: the supervisor hands each group's history
+to its processes, each measures its snapshots' cost; probe/cadence.py) and by the simulator
+(``dsec.snapshot_cadence: failure_history``), per group. Opt-in: ``fixed`` stays the default.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def young_interval_s(cost_s: float, mtbf_s: float) -> float:
 
 @dataclass(frozen=True)
 class CadenceConfig:
-    floor_s: float = 30.0  # never more often: the snapshot writer's own cadence limit
+    floor_s: float = 30.0  # never more often (unless the configured interval is shorter: then not below it)
     ceiling_s: float = 1800.0  # never less often: a bound on the work one unforeseen failure can cost
 
 
@@ -46,8 +46,9 @@ def snapshot_interval_s(
     """The interval for snapshots costing ``cost_s`` (training time per snapshot) after ``exposure_s`` group-seconds
     of training with ``rollbacks`` failures that rolled a learner back; ``prior_interval_s``: the configured interval,
     what a pool without history gets."""
+    floor = min(config.floor_s, prior_interval_s)  # an operator who asked for 5 s gets no less than 5 s
     if cost_s <= 0:
-        return config.floor_s  # free snapshots: as often as the writer allows
+        return floor  # free snapshots: as often as allowed
     prior_mtbf = prior_interval_s**2 / (2.0 * cost_s)
     mtbf = (exposure_s + prior_mtbf) / (rollbacks + 1)
-    return min(config.ceiling_s, max(config.floor_s, young_interval_s(cost_s, mtbf)))
+    return min(max(config.ceiling_s, prior_interval_s), max(floor, young_interval_s(cost_s, mtbf)))

@@ -110,6 +110,11 @@ def supervised_recovery(
             for e in run.client.all_events(types=["restore"], since=started - 1)
             if e["data"].get("status") == "ok"
         ]
+        out["cadence"] = [
+            {"interval_s": e["data"]["interval_s"], "total_ms": e["data"].get("total_ms"), "ts": e["ts"]}
+            for e in run.client.all_events(types=["snapshot"], since=started - 1)
+            if e["data"].get("status") == "ok" and "interval_s" in e["data"]
+        ]
         # Train on before stopping: the run's return is the mean of its last finished episodes, and right after a
         # restart only short (failed) episodes have finished yet — a window that ends early reads a good policy as
         # a poor one. Another WARM_STEPS updates let the long episodes of the restored policy finish.
@@ -207,7 +212,8 @@ def _recovery_job(pool: str, world: int, script: str, snapshot_dir: str, stop: P
         {
             "job": "demo-ppo",
             "pool": pool,
-            "snapshots": {"dir": snapshot_dir, "interval_s": 1},
+            # The interval adapts to the group's failure history (a heal rolls nothing back, so it only grows).
+            "snapshots": {"dir": snapshot_dir, "interval_s": 1, "cadence": "failure_history"},
             "restart": {"max_restarts": 2, "resume_timeout_s": 60, "admit_timeout_s": 60},
             "groups": [
                 {
@@ -238,6 +244,14 @@ def recovered(run: DemoRun, result: dict[str, Any]) -> bool:
         f"restart from snapshots: {len(restores)} learners restored, all at one agreed step {steps}"
         if len(steps) == 1
         else f"restart from snapshots: the learners restored different steps {steps}"
+    )
+    cadence = result.get("cadence") or []
+    run.notes.append(
+        f"snapshot cadence from failure history: configured 1 s, {cadence[-1]['interval_s']:g} s after "
+        f"{len(cadence)} snapshots of ~{cadence[-1]['total_ms'] or 0:.0f} ms and no rollback (the heal below rolls "
+        "nothing back)"
+        if cadence
+        else "snapshot cadence from failure history: no snapshot reported its interval"
     )
     rec = result.get("recovery")
     if not rec:

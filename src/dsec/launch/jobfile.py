@@ -5,7 +5,7 @@ Example (``examples/jobs/ppo.yaml``)::
     job: ppo-cartpole
     pool: pool-0
     launcher: local                      # local | ray (examples/jobs/ppo-ray.yaml; ``ray:`` settings)
-    snapshots: {dir: .dsec/snapshots, interval_s: 5}
+    snapshots: {dir: .dsec/snapshots, interval_s: 5}   # cadence: failure_history adapts interval_s (below)
     restart: {max_restarts: 3}
     groups:
       - name: learners
@@ -44,6 +44,10 @@ class SnapshotSettings(_Strict):
     enabled: bool = True
     dir: Path = Path(".dsec/snapshots")
     interval_s: float | None = Field(None, ge=1, le=86400)
+    # ``failure_history``: each learner's interval from its group's history — Young's sqrt(2 x cost x MTBF) over the
+    # restarts that rolled the group back to its snapshots, ``interval_s`` (or the pool's) the prior, 30 s to 30 min
+    # (dsec.decide.cadence, probe/cadence.py); ``fixed``: every ``interval_s``.
+    cadence: Literal["fixed", "failure_history"] = "fixed"
 
 
 class RestartSettings(_Strict):

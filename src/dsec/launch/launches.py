@@ -45,9 +45,11 @@ def worker_launches(
     endpoint: str | None,
     pool_token: str | None,
     assign_devices: bool,
+    history: tuple[float, int] = (0.0, 0),
 ) -> list[WorkerLaunch]:
     """The launches of group ``g``'s ranks (``ranks``, or all of them) at their placed devices: ``restore`` from the
-    newest snapshots, ``replacement`` of a dead rank of the healing run ``runs[g.name]``."""
+    newest snapshots, ``replacement`` of a dead rank of the healing run ``runs[g.name]``; ``history``: the group's
+    seconds trained and restarts that rolled it back, for ``snapshots.cadence: failure_history``."""
     by_worker = {a["worker"]: a for a in placement["assignments"]}
     port = str(free_port())
     out = []
@@ -66,6 +68,7 @@ def worker_launches(
             endpoint=endpoint,
             pool_token=pool_token,
             assign_devices=assign_devices,
+            history=history,
         )
         device = str(a["device"]) if assign_devices else None
         index = device.rsplit("gpu", 1)[-1] if device else ""
@@ -93,6 +96,7 @@ def _env(
     endpoint: str | None,
     pool_token: str | None,
     assign_devices: bool,
+    history: tuple[float, int] = (0.0, 0),
 ) -> dict[str, str]:
     """The environment of rank ``rank`` of group ``g``, placed at assignment ``a``."""
     group = g.name
@@ -120,6 +124,9 @@ def _env(
         env["DSEC_TOKEN"] = pool_token
     if job.snapshots.enabled and job.snapshots.interval_s is not None:
         env["DSEC_SNAPSHOT_INTERVAL_S"] = str(job.snapshots.interval_s)
+    if job.snapshots.enabled and job.snapshots.cadence != "fixed":
+        env["DSEC_SNAPSHOT_CADENCE"] = job.snapshots.cadence
+        env["DSEC_SNAPSHOT_HISTORY"] = f"{history[0]:.1f}:{history[1]}"
     if restore:
         env["DSEC_RESTORE"] = "latest"
     if group in runs:

@@ -82,6 +82,11 @@ class Supervisor:
         self._live: dict[str, set[str]] = {}  # group -> workers started and not exited
         self._unmovable: dict[str, list[str]] = {}  # group -> degraded devices it could not be moved off
         self._restarted: set[str] = set()  # groups restarted during the current step
+        # Failure history per group, for ``snapshots.cadence: failure_history``: seconds trained by the group's
+        # earlier incarnations, when the current one started, and the restarts that rolled it back to snapshots.
+        self._trained_s: dict[str, float] = {g.name: 0.0 for g in job.groups}
+        self._up_since: dict[str, float] = {}
+        self.rollbacks: dict[str, int] = {g.name: 0 for g in job.groups}
         self._last_poll = time.time()
         self._last_device_check = 0.0
 
@@ -115,7 +120,13 @@ class Supervisor:
             endpoint=self.endpoint,
             pool_token=self.pool_token,
             assign_devices=self.assign_devices,
+            history=self.history(group),
         )
+
+    def history(self, group: str) -> tuple[float, int]:
+        """``group``'s seconds trained so far (every incarnation) and the restarts that rolled it back."""
+        up = self._up_since.get(group)
+        return self._trained_s[group] + (time.time() - up if up is not None else 0.0), self.rollbacks[group]
 
     def start(self, restore: bool = False) -> None:
         """Place the job and start every group (``restore``: from the newest snapshots, e.g. after a crash of the
@@ -123,6 +134,7 @@ class Supervisor:
         self.placement = self._place()
         for g in self.job.groups:
             self._new_run(g.name)
+            self._up_since[g.name] = time.time()
             self._spawn(self._launches(g.name, restore=restore))
         self._last_poll = time.time()
 
@@ -299,7 +311,11 @@ class Supervisor:
         self.launcher.stop_group(group)
         self._live.pop(group, None)
         rec.stopped_at = time.time()
+        self._trained_s[group], self._up_since[group] = self.history(group)[0], rec.stopped_at
+        if reason != "degraded-device":  # a move off a degraded device restores the snapshot taken for it
+            self.rollbacks[group] += 1
         if self._spent(group, worker, code):
+            self._up_since.pop(group, None)
             return
         self.done = {w for w in self.done if not w.startswith(f"{group}-")}
         for w in [w for w, r in self._healing.items() if r.group == group]:

@@ -19,7 +19,8 @@ never resume at different steps.
 Environment: DSEC_SNAPSHOT_DIR (off when unset), DSEC_RESTORE (latest | N), DSEC_SNAPSHOT_NAME (default
 ``<group>-<role>-<rank>``, stable across restarts so a restarted worker finds its own snapshots; under ``--role auto``
 the role in it is ``learner``),
-DSEC_SNAPSHOT_INTERVAL_S (a job's own period; it wins over the directive's ``snapshot_interval_s``).
+DSEC_SNAPSHOT_INTERVAL_S (a job's own period; it wins over the directive's ``snapshot_interval_s``),
+DSEC_SNAPSHOT_CADENCE / DSEC_SNAPSHOT_HISTORY (that period adapted to the group's failure history: probe/cadence.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import TYPE_CHECKING, Any
+
+from dsec.probe.cadence import SnapshotCadence
 
 if TYPE_CHECKING:
     from dsec.probe.runtime import Probe
@@ -43,9 +46,11 @@ class ProbeSnapshots:
         restore: str | None = None,
         name: str | None = None,
         interval_s: float | None = None,
+        cadence: SnapshotCadence | None = None,
     ) -> None:
         self.probe = probe
         self.interval_s = interval_s  # the job's own period (DSEC_SNAPSHOT_INTERVAL_S) wins over the directive's
+        self.cadence = cadence  # None: the period as configured
         self.root = root
         self.name = name
         self.restore_request = (restore or "").strip() or None
@@ -74,7 +79,8 @@ class ProbeSnapshots:
         except ValueError:
             log.error("dsec: DSEC_SNAPSHOT_INTERVAL_S=%r is not a number; the directive's period applies", raw)
             interval = None
-        return cls(probe, root, env.get("DSEC_RESTORE"), env.get("DSEC_SNAPSHOT_NAME") or None, interval)
+        cadence = SnapshotCadence.from_env(env)
+        return cls(probe, root, env.get("DSEC_RESTORE"), env.get("DSEC_SNAPSHOT_NAME") or None, interval, cadence)
 
     # -- discovery -------------------------------------------------------------------------------------
     def _ensure(self) -> Snapshotter | None:
@@ -140,7 +146,8 @@ class ProbeSnapshots:
 
     def _interval(self) -> float | None:
         interval = self.interval_s or self.probe.actuators.snapshot_interval_s
-        return float(interval) if interval else None
+        configured = float(interval) if interval else None
+        return self.cadence.interval(configured) if self.cadence is not None else configured
 
     def group_status(self) -> tuple[bool, bool]:
         """(wanted, busy) for this rank's sync header: a snapshot is due or was asked for; the previous one is still
@@ -224,6 +231,11 @@ class ProbeSnapshots:
         if kind == "restore":
             self.probe.event("restore", urgent=True, status="ok", **data)
         elif kind == "snapshot":
+            if self.cadence is not None:
+                self.cadence.observe(data)
+                interval = self._interval()
+                if interval is not None:
+                    data = {**data, "interval_s": round(interval, 1)}  # the period from now on (dsec events shows it)
             self.probe.event("snapshot", status="ok", **data)
         else:  # snapshot_failed, snapshot_skipped
             self.probe.event("snapshot", urgent=True, status=kind.removeprefix("snapshot_"), **data)

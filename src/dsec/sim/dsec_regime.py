@@ -81,6 +81,10 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.reference = False
         self._attach_quotas(sim)
         self._attach_breakers(sim)
+        # Each group's failure history for the snapshot cadence, as the supervisor keeps it: seconds trained and
+        # the restarts that rolled it back to its snapshot.
+        self.exposure_s = np.zeros(sim.G)
+        self.rollbacks = np.zeros(sim.G, dtype=np.int64)
         self.pool_meltdowns = np.zeros(sim.G, dtype=np.int64)
         self.last_recovery = np.full(sim.G, math.nan)
         self.recovering_until = np.full(sim.G, -math.inf)
@@ -107,9 +111,6 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.policy_every = max(1, round(sc.policy_interval_s / sc.sample_interval_s))
         self.scopes = [Scope(p) for p in self.pool_names]
         self.recorded: set[int] = set()  # victims whose run a failed per-worker restart already recorded
-        # Failure history for the snapshot cadence: group-seconds trained (per sample) and rollbacks seen.
-        self.exposure_s = 0.0
-        self.rollbacks = 0
 
     def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
         """DSec's per-worker restarts (``restart_scope: worker``, the default for actor groups; docs/scheduling.md):
@@ -144,7 +145,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
 
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
         if cause in ("crash", "oom"):
-            self.rollbacks += 1  # a failure the group restarts from its snapshot for (planned moves save first)
+            self.rollbacks[g] += 1  # a failure the group restarts from its snapshot for (planned moves save first)
         unrecorded = [w for w in victims if w not in self.recorded]
         self.recorded.clear()
         self._record_runs(unrecorded, t, failed=cause in ("crash", "oom"), oom=cause == "oom")
@@ -187,11 +188,13 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         if self.sc.dsec.snapshot_cadence == "fixed":
             return self.durable_interval_s
         d = self.sc.dsec
-        return snapshot_interval_s(d.snapshot_cost_s, self.exposure_s, self.rollbacks, d.snapshot_interval_s)
+        return snapshot_interval_s(
+            d.snapshot_cost_s, float(self.exposure_s[g]), int(self.rollbacks[g]), d.snapshot_interval_s
+        )
 
     # -- per sample --------------------------------------------------------------------------------------------------
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:
-        self.exposure_s += float(np.count_nonzero(self.sim.status == RUN)) * self.sc.sample_interval_s
+        self.exposure_s += np.where(self.sim.status == RUN, self.sc.sample_interval_s, 0.0)
         run = self.running_workers()
         if len(run):
             self._ooms(t, run, mem)

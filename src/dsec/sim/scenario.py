@@ -147,9 +147,10 @@ class Dsec(_Strict):
     # restarts alone (restart_s on a warm standby, restart_reschedule_s when placement moves it), nothing rolls back.
     # False: every failure restarts the group from its snapshot (the simulator before 2026-12-03).
     restart_actors_alone: bool = True
-    # A design study, not what the control plane does yet (dsec.decide.cadence): the snapshot interval from the
-    # failure history, Young's sqrt(2 x snapshot_cost_s x MTBF) over the failures that rolled a learner back, across
-    # the pools, snapshot_interval_s the prior (30 s to 30 min); ``fixed``: every snapshot_interval_s, as shipped.
+    # The job file's ``snapshots.cadence`` (dsec.decide.cadence; the launcher passes each group's history to its
+    # learners): ``failure_history`` — each group's interval is Young's sqrt(2 x snapshot_cost_s x MTBF) over the
+    # restarts that rolled it back, snapshot_interval_s the prior (30 s to 30 min); ``fixed``: every
+    # snapshot_interval_s (the default, in the product too).
     snapshot_cadence: Literal["fixed", "failure_history"] = "fixed"
 
 

@@ -45,5 +45,12 @@ def test_rollbacks_never_lengthen_and_quiet_time_never_shortens_the_interval(
     cost: float, exposure: float, rollbacks: int, more: int, longer: float
 ) -> None:
     a = snapshot_interval_s(cost, exposure, rollbacks, 90.0)
-    assert 30.0 <= snapshot_interval_s(cost, exposure, rollbacks + more, 90.0) <= a <= 1800.0
+    assert 30.0 <= snapshot_interval_s(cost, exposure, rollbacks + more, 90.0) <= a <= 1800.0  # 90 s: within
     assert snapshot_interval_s(cost, exposure + longer, rollbacks, 90.0) >= a
+
+
+def test_a_configured_interval_outside_the_bounds_widens_them() -> None:
+    cfg = CadenceConfig(floor_s=30.0, ceiling_s=1800.0)
+    assert snapshot_interval_s(0.05, 0.0, 0, 1.0, cfg) == pytest.approx(1.0)  # asked for 1 s: 1 s at first
+    assert 1.0 <= snapshot_interval_s(0.05, 20.0, 5, 1.0, cfg) < 30.0  # failing often: not forced up to 30 s
+    assert snapshot_interval_s(0.25, 0.0, 0, 3600.0, cfg) == pytest.approx(3600.0)  # nor down to 30 min

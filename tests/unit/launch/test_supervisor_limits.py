@@ -230,3 +230,42 @@ def test_a_worker_that_dies_again_before_it_registered_closes_its_last_restart(c
     assert [(r.mode, r.resumed_at) for r in sup.recoveries] == [("worker", None)]
     assert [[w.worker for w in s] for s in launcher.starts][1:] == [["a-0"], ["a-0"]]
     assert sup.restarts == {"a": 2} and not sup.finished()
+
+
+def test_the_failure_history_reaches_the_restarted_ranks_with_cadence_failure_history(clock: Clock) -> None:
+    """``snapshots.cadence: failure_history``: each start carries the group's seconds trained and the restarts that
+    rolled it back; a restarted actor rolls nothing back; ``fixed`` (the default) passes nothing."""
+    spec = {
+        "job": "j",
+        "pool": "pool-a",
+        "snapshots": {"interval_s": 90, "cadence": "failure_history"},
+        "groups": [
+            {"name": "g", "world_size": 2, "command": ["train"]},
+            {"name": "a", "role": "actor", "world_size": 2, "command": ["act"]},
+        ],
+    }
+
+    def exits(w: WorkerLaunch, n: int) -> int | None:
+        # The learners' rank 1 and actor 0 die in their first incarnation: one rollback (the learners').
+        first = "DSEC_RESTORE" not in w.env
+        return 1 if first and (w.group, w.rank) in (("g", 1), ("a", 0)) else None
+
+    launcher = Launcher(exits, clock)
+    sup = Supervisor(JobFile.model_validate(spec), launcher)
+    sup.start()
+    first = {w.worker: w.env for start in launcher.starts for w in start}
+    assert first["g-0"]["DSEC_SNAPSHOT_CADENCE"] == "failure_history"
+    assert first["g-0"]["DSEC_SNAPSHOT_HISTORY"] == "0.0:0"
+    clock.now += 600.0
+    sup.step()
+    restarted = {w.worker: w.env for start in launcher.starts[2:] for w in start}  # after the two groups' starts
+    assert restarted["g-0"]["DSEC_SNAPSHOT_HISTORY"] == restarted["g-1"]["DSEC_SNAPSHOT_HISTORY"] == "600.0:1"
+    assert restarted["a-0"]["DSEC_SNAPSHOT_HISTORY"] == "600.0:0"  # alone: nothing rolled back
+    assert sup.rollbacks == {"g": 1, "a": 0} and sup.history("g") == (600.0, 1)
+    clock.now += 60.0
+    assert sup.history("g") == (660.0, 1)  # the current incarnation's time counts too
+    fixed = JobFile.model_validate({**spec, "snapshots": {"interval_s": 90}})
+    plain = Launcher(lambda w, n: None, clock)
+    Supervisor(fixed, plain).start()
+    assert not any(k.startswith("DSEC_SNAPSHOT_CADENCE") or k == "DSEC_SNAPSHOT_HISTORY"
+                   for w in plain.starts[0] for k in w.env)  # fmt: skip

@@ -531,11 +531,12 @@ def test_an_absent_actor_holds_no_memory_and_is_not_judged() -> None:
 
 
 def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_back_and_more_when_learners_fail() -> None:
-    history = {**QUIET, "duration_h": 2.0, "dsec": {"snapshot_cadence": "failure_history"}}
-    sc, fixed = small(**history), small(**{**QUIET, "duration_h": 2.0})
-    quiet_h = Simulation(sc, DsecRegime(sc, None), trace=_crashes([])).run()
-    quiet_f = Simulation(fixed, DsecRegime(fixed, None), trace=_crashes([])).run()
-    assert quiet_h.blocked_s.sum() < 0.8 * quiet_f.blocked_s.sum()  # fixed: every 90 s; history: 90 s and up
+    history = {**QUIET, "duration_h": 6.0, "dsec": {"snapshot_cadence": "failure_history"}}
+    long_h, long_f = small(**history), small(**{**QUIET, "duration_h": 6.0})
+    quiet_h = Simulation(long_h, DsecRegime(long_h, None), trace=_crashes([])).run()
+    quiet_f = Simulation(long_f, DsecRegime(long_f, None), trace=_crashes([])).run()
+    assert quiet_h.blocked_s.sum() < 0.9 * quiet_f.blocked_s.sum()  # fixed: every 90 s; history: 90 s -> ~137 s
+    sc = small(**{**history, "duration_h": 2.0})
     probe = Simulation(sc, DsecRegime(sc, None), trace=_crashes([]))
     probe.regime.place_all(0.0)
     learners = [int(probe.slot_of[w]) for w in range(0, sc.workers, sc.groups.size)]
@@ -543,7 +544,7 @@ def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_bac
     crashes = sorted((300.0 * k + i, s) for k in range(1, 24) for i, s in enumerate(learners))
     regime = DsecRegime(sc, None)
     failing = Simulation(sc, regime, trace=_crashes(crashes)).run()
-    assert regime.rollbacks > 0
+    assert (regime.rollbacks > 0).all()
     assert regime.durable_interval(0, failing.duration_s) < sc.dsec.snapshot_interval_s  # the prior, 90 s
     per_hour = failing.blocked_s.sum() / (failing.duration_s - failing.down_s.sum() / sc.groups.count)
     assert per_hour > quiet_h.blocked_s.sum() / quiet_h.duration_s

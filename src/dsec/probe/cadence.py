@@ -1,0 +1,81 @@
+"""A learner's snapshot interval from its group's failure history (``snapshots: {cadence: failure_history}``).
+
+The supervisor knows the group's history — the seconds it has trained and the restarts that rolled it back to its
+snapshots (a failed actor restarting alone, a heal and a move off a degraded device roll nothing back) — and hands
+it to each process it starts (``DSEC_SNAPSHOT_HISTORY=exposure_s:rollbacks``); the process adds its own running
+time and measures what its snapshots cost. ``dsec.decide.cadence`` turns that into Young's interval, the configured
+interval being the prior: before the first snapshot is measured, the configured interval applies.
+
+The cost of a snapshot is taken as its whole wall time (``total_ms``: the blocking copy plus the background
+quantize/compress/write), an upper bound on what it takes from training where the background work shares the
+CPU with it; on a GPU learner the background part overlaps the device's work, so the interval comes out longer
+than optimal (by at most the square root of the overestimate).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FAILURE_HISTORY = "failure_history"
+
+
+class SnapshotCadence:
+    def __init__(self, exposure_s: float, rollbacks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.exposure_s = exposure_s
+        self.rollbacks = rollbacks
+        self._clock = clock
+        self._t0 = clock()
+        self._costs: deque[float] = deque(maxlen=8)  # the last snapshots' cost, seconds
+        self._lock = threading.Lock()  # observed on the snapshot writer's thread, read on the training thread
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SnapshotCadence | None:
+        """From ``DSEC_SNAPSHOT_CADENCE`` (``fixed``, the default, or ``failure_history``) and
+        ``DSEC_SNAPSHOT_HISTORY``; an invalid value is logged and the configured interval applies."""
+        mode = (env.get("DSEC_SNAPSHOT_CADENCE") or "fixed").strip()
+        if mode == "fixed":
+            return None
+        if mode != FAILURE_HISTORY:
+            log.error("dsec: DSEC_SNAPSHOT_CADENCE=%r is invalid (expected fixed or %s); fixed", mode, FAILURE_HISTORY)
+            return None
+        raw = env.get("DSEC_SNAPSHOT_HISTORY") or "0:0"
+        try:
+            exposure, rollbacks = raw.split(":")
+            history = (float(exposure), int(rollbacks))
+            if not (history[0] >= 0 and history[1] >= 0):
+                raise ValueError("negative")
+        except ValueError:
+            log.error("dsec: DSEC_SNAPSHOT_HISTORY=%r is invalid (expected EXPOSURE_S:ROLLBACKS); no history", raw)
+            history = (0.0, 0)
+        return cls(*history)
+
+    def observe(self, snapshot: Mapping[str, Any]) -> None:
+        """A snapshot this process took (its ``snapshot`` event's data)."""
+        total_ms = snapshot.get("total_ms")
+        if isinstance(total_ms, (int, float)) and not isinstance(total_ms, bool) and total_ms >= 0:
+            with self._lock:
+                self._costs.append(float(total_ms) / 1e3)
+
+    def cost_s(self) -> float | None:
+        with self._lock:
+            costs = sorted(self._costs)
+        return costs[len(costs) // 2] if costs else None  # the (upper) median: one slow write does not set it
+
+    def interval(self, configured_s: float | None) -> float | None:
+        """The interval for now: ``configured_s`` (the job's or the directive's) until a snapshot's cost is known."""
+        cost = self.cost_s()
+        if configured_s is None or cost is None:
+            return configured_s
+        # Imported here, not at the top: dsec.decide loads the decision cores (numpy and ~140 modules), which a
+        # training process that did not ask for this cadence must not pay for.
+        from dsec.decide.cadence import snapshot_interval_s
+
+        exposure = self.exposure_s + (self._clock() - self._t0)
+        return snapshot_interval_s(cost, exposure, self.rollbacks, configured_s)
