@@ -7,6 +7,7 @@ committed in one transaction before it is answered; the answer carries the new d
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -25,6 +26,8 @@ from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
 from dsec.control.store import WriteBatch
 from dsec.model import DirectiveFields, Event, EventType, Pool, WorkerInfo, WorkerState
+
+_UNGUARDED = contextlib.nullcontext()  # a plain beat writes no row of its own (reusable: nullcontext holds nothing)
 
 
 class Beats:
@@ -154,34 +157,36 @@ class Beats:
         if directive is not None:
             events.append(directive_event(w, directive, verdict.patch, "+".join(verdict.actors), now))
         events += verdict.events
-        if events:
-            # Durable before acknowledged: write the beat's row, its events and any directive the
-            # judgment made in one transaction.
-            row = replace(w.row(), last_seq=req.seq, last_beat_at=now, state=WorkerState.ACTIVE.value,
-                          beats=w.beats + 1, acked_version=acked, metrics=metrics)  # fmt: skip
-            try:
-                await self.log.commit(
-                    WriteBatch(workers=[row], events=events, directives=[directive] if directive else [])
-                )
-            except BaseException:
-                self.judge.restore(w, saved)
-                w.info = info_before
-                raise
-            self.log.observe(events)
-            if directive is not None:
-                w.directive = directive
-                self.judge.issued(w, verdict, directive.version, now)
-        w.last_seq = req.seq
-        w.last_beat_at = now
-        w.beats += 1
-        w.metrics = metrics  # swapped, not mutated: the writer thread may be copying the old one
-        for ev in req.events:
-            if ev.type is EventType.DIRECTIVE_UNAPPLIABLE:
-                _note_unappliable(w, ev.data)
-        if newly_acked:
-            w.acked_version = req.acked_directive_version
-        if was_lost:
-            w.state = WorkerState.ACTIVE
+        # A beat with events commits the worker's row: the writer takes no dirty copy of it until it is applied here.
+        with self.state.writing(w.id) if events else _UNGUARDED:
+            if events:
+                # Durable before acknowledged: write the beat's row, its events and any directive the
+                # judgment made in one transaction.
+                row = replace(w.row(), last_seq=req.seq, last_beat_at=now, state=WorkerState.ACTIVE.value,
+                              beats=w.beats + 1, acked_version=acked, metrics=metrics)  # fmt: skip
+                try:
+                    await self.log.commit(
+                        WriteBatch(workers=[row], events=events, directives=[directive] if directive else [])
+                    )
+                except BaseException:
+                    self.judge.restore(w, saved)
+                    w.info = info_before
+                    raise
+                self.log.observe(events)
+                if directive is not None:
+                    w.directive = directive
+                    self.judge.issued(w, verdict, directive.version, now)
+            w.last_seq = req.seq
+            w.last_beat_at = now
+            w.beats += 1
+            w.metrics = metrics  # swapped, not mutated: the writer thread may be copying the old one
+            for ev in req.events:
+                if ev.type is EventType.DIRECTIVE_UNAPPLIABLE:
+                    _note_unappliable(w, ev.data)
+            if newly_acked:
+                w.acked_version = req.acked_directive_version
+            if was_lost:
+                w.state = WorkerState.ACTIVE
         self.heartbeats += 1
         if not events:
             self.state.mark_dirty(w.id)
@@ -294,9 +299,10 @@ class Beats:
         row = replace(w.row(), state=WorkerState.DEREGISTERED.value)
         ev = Event(ts=now, type=EventType.DEREGISTERED, worker_id=w.id, pool=w.pool, data={"reason": reason})
         run = self.run_record(w, False)
-        await self.log.commit(WriteBatch(workers=[row], events=[ev] + ([run] if run else [])))
-        w.state = WorkerState.DEREGISTERED
-        w.ended_at = now
+        with self.state.writing(w.id):  # no dirty copy (still active) between the commit and the apply
+            await self.log.commit(WriteBatch(workers=[row], events=[ev] + ([run] if run else [])))
+            w.state = WorkerState.DEREGISTERED
+            w.ended_at = now
         if w.token_id is not None:
             self.state.workers_by_token[w.token_id] -= 1
         self.judge.forget(w.id)  # a worker that left is judged no more

@@ -134,10 +134,11 @@ class Reconciler:
             run = self.scheduler.run_record(w, True)
             if run is not None:
                 events.append(run)
-        await self.log.commit(WriteBatch(workers=rows, events=events))
-        for wid in lost:
-            w = self.state.workers[wid]
-            if w.last_beat_at <= now:  # it did not come back while we were committing
-                w.state = WorkerState.LOST
+        with self.state.writing(*lost):  # no dirty copy (still active) between the commit and the apply
+            await self.log.commit(WriteBatch(workers=rows, events=events))
+            for wid in lost:
+                w = self.state.workers[wid]
+                if w.last_beat_at <= now:  # it did not come back while we were committing
+                    w.state = WorkerState.LOST
         logger.info("workers lost: %s", ", ".join(lost))
         return lost

@@ -14,6 +14,7 @@ import asyncio
 import threading
 from collections import Counter
 from collections.abc import ItemsView, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,17 +223,38 @@ class HotState:
     # Pools recovering from a device failure (until this time): policy actions on them are held back.
     pool_recovering_until: dict[str, float] = field(default_factory=dict)
     _dirty: set[str] = field(default_factory=set)
+    _writing: Counter[str] = field(default_factory=Counter)  # workers a request is committing a row of
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def mark_dirty(self, *worker_ids: str) -> None:
         with self._lock:
             self._dirty.update(worker_ids)
 
+    @contextmanager
+    def writing(self, *worker_ids: str) -> Iterator[None]:
+        """Around a request that commits rows of ``worker_ids`` and then applies the change here: meanwhile the
+        writer takes no dirty copy of them. A copy taken after the commit but before the apply is older than the
+        committed row, and a flush wrote it over that row — a worker that deregistered read ``active`` in the
+        store, for good (nothing marks a deregistered worker dirty again), and ``lost`` after a restart."""
+        with self._lock:
+            self._writing.update(worker_ids)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writing.subtract(worker_ids)
+                for wid in worker_ids:
+                    if self._writing[wid] <= 0:
+                        del self._writing[wid]
+
     def take_dirty(self) -> list[WorkerRow]:
-        """Rows to write back now; the caller re-marks them with ``mark_dirty`` if the write fails."""
+        """Rows to write back now; the caller re-marks them with ``mark_dirty`` if the write fails. Workers a request
+        is writing stay dirty for the next flush (``writing``)."""
         with self._lock:
             ids, self._dirty = self._dirty, set()
-        return [self.workers[i].row() for i in ids if i in self.workers]
+            held = {i for i in ids if self._writing[i] > 0}
+            self._dirty |= held
+        return [self.workers[i].row() for i in ids - held if i in self.workers]
 
     def directive_for_new_worker(self, worker_id: str, pool: Pool, now: float) -> Directive:
         return Directive(worker_id=worker_id, version=1, fields=DirectiveFields.for_pool(pool), updated_at=now)

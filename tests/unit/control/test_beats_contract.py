@@ -7,7 +7,9 @@ those modules would alter; no server is started, so a mutant runs in about a sec
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from dsec.control.errors import ApiError
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.service import ControlPlane
 from dsec.control.state import LiveWorker
-from dsec.control.store import EventQuery, open_store
+from dsec.control.store import EventQuery, WriteBatch, open_store
 from dsec.decide import Verdict
 from dsec.model import Device, Event, EventType, Pool, Role, WorkerState
 
@@ -419,3 +421,33 @@ async def test_event_retention_prunes_on_the_writer_thread(
     _, pruned = await cp.retain(force=True)
     assert threads == ["dsec-writer"]  # not a thread of its own beside the group commit
     assert pruned >= 1 and _events(cp, w, EventType.LOG) == []
+
+
+@pytest.mark.parametrize("how", ["deregister", "lost"])
+async def test_a_flush_between_a_commit_and_its_apply_does_not_write_the_older_row_over_it(
+    cp: ControlPlane, clock: Clock, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The writer flushes dirty rows on its own timer. A worker whose deregistration (or loss) was just committed,
+    but not yet applied to the hot state, still reads ``active`` there: a flush in that window wrote that older copy
+    over the committed row, and nothing rewrote it (the store said ``active`` for good). Here the window is held
+    open for several flushes."""
+    w = await _worker(cp)
+    await _beat(cp, w, 1)  # a plain beat: the worker's row is dirty
+    real = cp.log.commit
+
+    async def commit_then_wait(batch: WriteBatch) -> list[int]:
+        ids = await real(batch)
+        if any(r.id == w.id and r.state != "active" for r in batch.workers):
+            cp.state.mark_dirty(w.id)  # as a plain beat arriving meanwhile would
+            await asyncio.to_thread(time.sleep, 5 * cp.settings.flush_interval_s)  # the writer's timer runs
+        return ids
+
+    monkeypatch.setattr(cp.log, "commit", commit_then_wait)
+    if how == "deregister":
+        await cp.deregister(w, "done")
+    else:
+        clock.now += 3600.0
+        await cp.reconcile()
+    await asyncio.to_thread(time.sleep, 5 * cp.settings.flush_interval_s)
+    (row,) = [r for r in cp.store.list_workers() if r.id == w.id]
+    assert row.state == ("deregistered" if how == "deregister" else "lost") == w.state.value
