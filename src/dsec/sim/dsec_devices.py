@@ -110,13 +110,35 @@ class DeviceHealthPass(Regime):
         return int(node) * self.sim.layout.gpus_per_node + int(rest)
 
     def _migrate_off(self, card: int, t: float) -> None:
-        """The card degraded: its workers were asked for a snapshot; their groups move from it."""
+        """The card degraded: its workers were asked for a snapshot; their groups move from it — where they can go.
+        A group with nowhere to go keeps running on the degraded card, as the launcher's supervisor does (it stays
+        when the job cannot be placed again); moving it anyway parked it, holding nothing, until capacity came back
+        (on scale-10k, with no spare slot, for the rest of the run)."""
         sim, lay = self.sim, self.sim.layout
         ws = [int(w) for w in sim.occupant[card * lay.workers_per_gpu : (card + 1) * lay.workers_per_gpu] if w >= 0]
         groups = sorted({int(sim.group_of[w]) for w in ws})
         for g in groups:
             self.recovering_until[g] = degrade(self.card_names[card], t, self.health_config).hold_until
             victims = [w for w in ws if sim.group_of[w] == g]
+            if not self._placeable(g, victims, t):
+                self.counts["unmovable"] += 1
+                continue
             self.counts["migrations"] += 1
             self._record_runs(victims, t, failed=False, oom=False)
             sim.fail(g, t, "migration", victims, durable_first=True)
+
+    def _placeable(self, g: int, victims: list[int], t: float) -> bool:
+        """Whether placement finds the ``victims`` of group ``g`` new slots (the degraded card excluded), or else
+        the whole group (the supervisor re-places the whole job); nothing is moved here."""
+        sim = self.sim
+        for workers in (victims, list(sim.workers_of(g))):
+            held = {w: int(sim.slot_of[w]) for w in workers}
+            sim.release(workers)
+            try:
+                if self.choose(g, workers, t) is not None:
+                    return True
+            finally:
+                for w, slot in held.items():
+                    if slot >= 0:
+                        sim.assign(w, slot)
+        return False

@@ -548,3 +548,26 @@ def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_bac
     assert regime.durable_interval(0, failing.duration_s) < sc.dsec.snapshot_interval_s  # the prior, 90 s
     per_hour = failing.blocked_s.sum() / (failing.duration_s - failing.down_s.sum() / sc.groups.count)
     assert per_hour > quiet_h.blocked_s.sum() / quiet_h.duration_s
+
+
+def test_a_group_with_nowhere_to_go_stays_on_its_degraded_card_as_the_supervisor_does() -> None:
+    """Every slot taken (4 groups of 8 on 32 slots): moving a group off a degraded card parked it, holding nothing,
+    for as long as no slot came free. The supervisor keeps a job that cannot be placed again where it is; so does
+    the simulator now. With a spare card, the group moves."""
+    full = small(**{**QUIET, "groups": {**QUIET["groups"], "count": 4, "actors": 7}})
+    for spare, moved in ((False, False), (True, True)):
+        sc = full if not spare else small(**{**QUIET, "groups": {**QUIET["groups"], "count": 3, "actors": 7}})
+        r = DsecRegime(sc, None)
+        sim = Simulation(sc, r, trace=_crashes([]))
+        r.place_all(0.0)
+        sim.status[:] = RUN
+        card = int(sim.slot_of[1] // sc.cluster.workers_per_gpu)
+        r.set_card_health(card, DeviceHealth.DEGRADED)
+        r._migrate_off(card, 100.0)
+        assert (r.counts["migrations"] > 0) is moved and (r.counts["unmovable"] > 0) is not moved
+        if not moved:
+            assert sim.interruptions == [] and (sim.status == RUN).all()
+            assert sim.slot_of.min() >= 0  # nobody released: the group trains on where it is
+        else:
+            assert [i.cause for i in sim.interruptions] == ["migration"]
+            assert int(sim.slot_of[1] // sc.cluster.workers_per_gpu) != card  # the worker left the degraded card
