@@ -252,7 +252,7 @@ class HotState:
         is writing stay dirty for the next flush (``writing``)."""
         with self._lock:
             ids, self._dirty = self._dirty, set()
-            held = {i for i in ids if self._writing[i] > 0}
+            held = ids & self._writing.keys() if self._writing else set()  # keys: counts > 0 only
             self._dirty |= held
         return [self.workers[i].row() for i in ids - held if i in self.workers]
 
