@@ -204,7 +204,9 @@ class Simulation:
     def lose_workers(self, g: int, t: float, cause: str, victims: list[int], recovery_s: float) -> None:
         """Workers ``victims`` of the running group ``g`` ended at ``t`` and restart alone, back in ``recovery_s``
         (their slots already chosen by the regime); the group trains on without them, nothing is rolled back. Their
-        absence is charged as restart time: each absent worker-second is 1/n of a group-second."""
+        absence is charged as restart time: each absent worker-second is 1/n of a group-second. The group's rate
+        follows from the next sample on (rates are per sample): an absence shorter than the sample interval is in
+        the restart time, not in the progress — at most one sample's worth per restart, for every regime alike."""
         self.account(t, slice(g, g + 1))
         for w in victims:
             self.absent[w] = True
