@@ -269,3 +269,17 @@ def test_the_failure_history_reaches_the_restarted_ranks_with_cadence_failure_hi
     Supervisor(fixed, plain).start()
     assert not any(k.startswith("DSEC_SNAPSHOT_CADENCE") or k == "DSEC_SNAPSHOT_HISTORY"
                    for w in plain.starts[0] for k in w.env)  # fmt: skip
+
+
+def test_an_unknown_snapshot_cadence_names_file_line_and_field(tmp_path: Any) -> None:
+    from dsec.launch.jobfile import load_job
+    from dsec.yamlconf import ConfigError
+
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "job: j\npool: pool-a\nsnapshots:\n  interval_s: 90\n  cadence: sometimes\n"
+        "groups:\n  - {name: g, world_size: 1, command: [train]}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_job(path)
+    assert f"{path}:5:" in str(err.value) and "snapshots.cadence" in str(err.value)
