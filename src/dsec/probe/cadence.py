@@ -34,6 +34,12 @@ class SnapshotCadence:
         self._t0 = clock()
         self._costs: deque[float] = deque(maxlen=8)  # the last snapshots' cost, seconds
         self._lock = threading.Lock()  # observed on the snapshot writer's thread, read on the training thread
+        # Imported here, when the option is on, not at the top: dsec.decide loads the decision cores (numpy and ~140
+        # modules), which a training process that did not ask for this cadence must not pay for. Not lazily at the
+        # first interval either: that import ran mid-training, on the training thread or the snapshot writer's.
+        from dsec.decide.cadence import snapshot_interval_s
+
+        self._rule = snapshot_interval_s
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SnapshotCadence | None:
@@ -73,9 +79,5 @@ class SnapshotCadence:
         cost = self.cost_s()
         if configured_s is None or cost is None:
             return configured_s
-        # Imported here, not at the top: dsec.decide loads the decision cores (numpy and ~140 modules), which a
-        # training process that did not ask for this cadence must not pay for.
-        from dsec.decide.cadence import snapshot_interval_s
-
         exposure = self.exposure_s + (self._clock() - self._t0)
-        return snapshot_interval_s(cost, exposure, self.rollbacks, configured_s)
+        return self._rule(cost, exposure, self.rollbacks, configured_s)
