@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How often an epoch's setup looks at the watch's newest view (a broken epoch is given up within this).
+SETUP_POLL_S = 0.05
+
 
 class ElasticGroup:
     def __init__(
@@ -371,7 +374,7 @@ class ElasticGroup:
                 " their scripts took different paths, no process group can pair them again"
             )
         self.journal(f"heal: rendezvous e{plan.epoch}")
-        pg = self._rendezvous.group(self.client.me.run, plan, self.rank)
+        pg = self._setup_group(plan)
         self.journal(f"heal: rendezvous e{plan.epoch} done; transfers")
         received: list[torch.Tensor] | None = None
         src = members.index(plan.source)
@@ -410,6 +413,40 @@ class ElasticGroup:
         if self.rank in plan.joiners and not self._watch_thread.is_alive():
             self._watch_thread.start()
         return received
+
+    def _setup_group(self, plan: Plan) -> Any:
+        """The process group of ``plan``'s epoch, built on a helper thread while this one watches for the epoch being
+        reported broken. A member that dies right after the plan formed never completes the rendezvous, and a survivor
+        waited in gloo's setup for minutes, past its own timeout (test_heal's death while a replacement waits, its
+        journal: "rendezvous e2" and nothing after it), while the watch had said within milliseconds that the epoch was
+        broken. Now the setup is abandoned then (its thread is left to gloo's timeout, and the store client it may hold
+        is not reused) and the heal loop asks for the next epoch."""
+        out: dict[str, Any] = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                out["pg"] = self._rendezvous.group(self.client.me.run, plan, self.rank)
+            except BaseException as exc:  # handed to the heal thread below
+                out["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=build, name=f"dsec-heal-setup-e{plan.epoch}", daemon=True).start()
+        while not done.wait(SETUP_POLL_S):
+            if self._reported_broken(plan.epoch):
+                self._rendezvous.forget(plan.store)
+                raise RuntimeError(f"epoch {plan.epoch} was reported broken while it was being set up")
+        if "error" in out:
+            raise out["error"]
+        return out["pg"]
+
+    def _reported_broken(self, epoch: int) -> bool:
+        """Whether the newest view says ``epoch`` is broken, or that the group has moved past it."""
+        with self._lock:
+            view = self._view
+        seen = int(view.get("epoch", 0) or 0)
+        return seen > epoch or (seen == epoch and view.get("phase") == "broken")
 
     # -- header support (sync_header.py / heal mode of the comm hook) -------------------------------------------
     def next_admission(self) -> int | None:

@@ -44,6 +44,11 @@ class Rendezvous:
             self._stores[address] = store
         return store
 
+    def forget(self, address: str) -> None:
+        """Stop reusing the client of ``address``'s store: an abandoned setup may still be blocked in it (a TCPStore
+        client serializes its operations)."""
+        self._stores.pop(address, None)
+
     def group(self, run: str, plan: Plan, rank: int) -> Any:
         """The gloo process group of ``plan``'s epoch, as logical rank ``rank`` (blocks until every member built it)."""
         prefix = f"dsec/{run}/e{plan.epoch}"

@@ -98,3 +98,35 @@ def test_journal_tails_keep_the_last_lines_other_than_per_op_issues(tmp_path: An
     (tmp_path / "other.txt").write_text("not a journal\n")
     assert epoch_setup.journal_tails(tmp_path, 1) == [("ops-1.log", []), ("ops-2.log", ["1.2 arm 9 pos 1 r0"])]
     assert epoch_setup.journal_tails(tmp_path / "absent", 5) == []
+
+
+def test_an_epoch_reported_broken_while_it_is_set_up_is_given_up_at_once() -> None:
+    """A member of the plan dies before the rendezvous: gloo's setup would wait for it (here up to the 10 s timeout;
+    in a full test run a survivor waited minutes). The watch says the epoch is broken: the setup gives up within
+    a poll, so the heal loop can ask for the next epoch; the store client it used is not reused."""
+    import threading
+    import time
+
+    g = ElasticGroup(_Client("broken-during-setup"), 0, 1, timeout_s=2.0)  # type: ignore[arg-type]
+    try:
+        plan = Plan(epoch=2, members=(0, 1), store=g.address, completed=0, source=0, joiners=(), reason="failure")
+        timer = threading.Timer(0.3, lambda: g.on_view({"version": 5, "epoch": 2, "phase": "broken", "joiners": []}))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="epoch 2 was reported broken while it was being set up"):
+            g._adopt(plan, None)
+        assert time.monotonic() - t0 < 1.5  # not the 2 s of gloo's timeout
+        assert g.address not in g._rendezvous._stores and g.plan is None
+        # A view of an older epoch, or of this one stable, does not stop a setup.
+        g.on_view({"version": 6, "epoch": 1, "phase": "broken", "joiners": []})
+        assert not g._reported_broken(2) and g._reported_broken(1)
+        g.on_view({"version": 7, "epoch": 3, "phase": "stable", "joiners": []})
+        assert g._reported_broken(2)
+        g._adopt(_plan(g, 3, "failure"), None)  # a one-member epoch on a fresh store client: set up
+        assert g.plan is not None and g.plan.epoch == 3
+    finally:
+        g.close(leave=False)
+        for t in threading.enumerate():  # the abandoned setup ends at gloo's timeout
+            if t.name == "dsec-heal-setup-e2":
+                t.join(10.0)
+                assert not t.is_alive()
