@@ -34,6 +34,9 @@ class DeviceHealthPass(Regime):
     def _record_runs(self, victims: list[int], t: float, failed: bool, oom: bool) -> None:
         raise NotImplementedError
 
+    def choose_elsewhere(self, g: int, workers: list[int], t: float) -> dict[int, int] | None:
+        raise NotImplementedError
+
     def _device_health(self, t: float, run: np.ndarray, compute_s: np.ndarray) -> None:
         """Device health on each worker's compute time (the probe's ``compute_ms_p50``): a slow or jittery link makes
         a worker's syncs slower, not its compute, and follows the worker, so it is no evidence against a card."""
@@ -130,15 +133,4 @@ class DeviceHealthPass(Regime):
     def _placeable(self, g: int, victims: list[int], t: float) -> bool:
         """Whether placement finds the ``victims`` of group ``g`` new slots (the degraded card excluded), or else
         the whole group (the supervisor re-places the whole job); nothing is moved here."""
-        sim = self.sim
-        for workers in (victims, list(sim.workers_of(g))):
-            held = {w: int(sim.slot_of[w]) for w in workers}
-            sim.release(workers)
-            try:
-                if self.choose(g, workers, t) is not None:
-                    return True
-            finally:
-                for w, slot in held.items():
-                    if slot >= 0:
-                        sim.assign(w, slot)
-        return False
+        return any(self.choose_elsewhere(g, ws, t) is not None for ws in (victims, list(self.sim.workers_of(g))))

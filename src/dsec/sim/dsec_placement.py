@@ -123,6 +123,18 @@ class PlacementPass(Regime):
             return None
         return {int(a.worker): self.slot_name_to_index[a.device] for a in result.assignments}
 
+    def choose_elsewhere(self, g: int, workers: list[int], t: float) -> dict[int, int] | None:
+        """What ``choose`` would give ``workers`` of group ``g`` with their own slots free; nothing is moved."""
+        sim = self.sim
+        held = {w: int(sim.slot_of[w]) for w in workers}
+        sim.release(workers)
+        try:
+            return self.choose(g, workers, t)
+        finally:
+            for w, slot in held.items():
+                if slot >= 0:
+                    sim.assign(w, slot)
+
     def to_move(self, g: int, victims: list[int], cause: str) -> list[int]:
         # The failed workers are placed anew with what was learned (their card's record just went in); placement
         # may well keep them where they were.

@@ -121,14 +121,12 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             return False
         self._record_runs(victims, t, failed=True, oom=cause == "oom")
         per_card = sim.layout.workers_per_gpu
-        old = {w: int(sim.slot_of[w]) for w in victims}
-        sim.release(victims)
-        chosen = self.choose(g, victims, t)
+        chosen = self.choose_elsewhere(g, victims, t)
         if chosen is None:
-            for w, slot in old.items():
-                sim.assign(w, slot)
             self.recorded.update(victims)  # restart() must not record these runs twice
             return False
+        old = {w: int(sim.slot_of[w]) for w in victims}
+        sim.release(victims)
         for w, slot in chosen.items():
             sim.assign(w, slot)
         # As for a group (restart): a warm restart unless the old card is gone (off or degraded) — placement may pick

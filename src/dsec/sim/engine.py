@@ -221,8 +221,9 @@ class Simulation:
 
     def _rejoin(self, w: int, t: float) -> None:
         if self.absent[w]:
-            self.account(t, slice(int(self.group_of[w]), int(self.group_of[w]) + 1))
-            self.down_s[self.group_of[w]] += (t - self.absent_since[w]) / self.n
+            g = int(self.group_of[w])
+            self.account(t, slice(g, g + 1))
+            self.down_s[g] += (t - self.absent_since[w]) / self.n
             self.absent[w] = False
 
     def _rejoin_all(self, g: int, t: float) -> None:
