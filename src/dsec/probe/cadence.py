@@ -15,7 +15,6 @@ than optimal (by at most the square root of the overestimate).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -32,8 +31,10 @@ class SnapshotCadence:
         self.rollbacks = rollbacks
         self._clock = clock
         self._t0 = clock()
-        self._costs: deque[float] = deque(maxlen=8)  # the last snapshots' cost, seconds
-        self._lock = threading.Lock()  # observed on the snapshot writer's thread, read on the training thread
+        self._costs: deque[float] = deque(maxlen=8)  # the last snapshots' cost, seconds (the writer's thread only)
+        # Their (upper) median, set once per snapshot: the training thread reads it at every step (one float, read
+        # whole), instead of sorting the costs under a lock each time.
+        self._cost: float | None = None
         # Imported here, when the option is on, not at the top: dsec.decide loads the decision cores (numpy and ~140
         # modules), which a training process that did not ask for this cadence must not pay for. Not lazily at the
         # first interval either: that import ran mid-training, on the training thread or the snapshot writer's.
@@ -66,13 +67,12 @@ class SnapshotCadence:
         """A snapshot this process took (its ``snapshot`` event's data)."""
         total_ms = snapshot.get("total_ms")
         if isinstance(total_ms, (int, float)) and not isinstance(total_ms, bool) and total_ms >= 0:
-            with self._lock:
-                self._costs.append(float(total_ms) / 1e3)
+            self._costs.append(float(total_ms) / 1e3)
+            costs = sorted(self._costs)
+            self._cost = costs[len(costs) // 2]  # the (upper) median: one slow write does not set it
 
     def cost_s(self) -> float | None:
-        with self._lock:
-            costs = sorted(self._costs)
-        return costs[len(costs) // 2] if costs else None  # the (upper) median: one slow write does not set it
+        return self._cost
 
     def interval(self, configured_s: float | None) -> float | None:
         """The interval for now: ``configured_s`` (the job's or the directive's) until a snapshot's cost is known."""
