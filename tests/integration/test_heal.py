@@ -318,6 +318,42 @@ def test_without_a_repeating_loop_the_group_falls_back_to_its_agreed_snapshots(
     assert finish(sup, tmp_path)["max_param_diff"] == 0.0
 
 
+def test_a_healing_group_refuses_gradient_accumulation_and_still_heals(
+    cp: Harness, supervised: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The breaker's accumulation rung would change how many gradient syncs a loop makes: the group's sequence of
+    collectives would lose its period and no replacement could be admitted (the group waited for its admission
+    timeout, then restarted from its snapshots). A healing group answers the field as unappliable instead, and
+    heals."""
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job_file(tmp_path, admit_timeout_s=20), recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    ids = [w["id"] for w in cp.admin.workers(pool="pool-a") if w["state"] == "active"]
+    assert len(ids) == 3
+    for wid in ids:
+        cp.admin.set_directive(wid, grad_accum_steps=2)
+
+    def answered() -> list[dict[str, Any]]:
+        views = [cp.admin.request("GET", f"/v1/workers/{wid}") for wid in ids]
+        directives = [v["directive"] for v in views]
+        if all("grad_accum_steps" in d["unappliable"] or d["in_sync"] for d in directives):
+            return directives
+        return []
+
+    directives = supervise_until(sup, answered, 60, "every rank's answer to the accumulation directive")
+    for d in directives:
+        assert "heal" in d["unappliable"]["grad_accum_steps"]["reason"], d
+    n = len(steps_of(tmp_path, "trainers-0"))
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= n + 100, 60, "100 more steps")
+    os.kill(launcher.pids("trainers")["trainers-1"], signal.SIGKILL)
+    (rec,) = supervise_until(
+        sup, lambda: recoveries, 90, "the replacement's admission", lambda: heal_story(cp.admin, tmp_path)
+    )
+    assert rec.mode == "heal", heal_story(cp.admin, tmp_path)
+    assert finish(sup, tmp_path)["max_param_diff"] == 0.0
+
+
 def test_dsec_run_heal_zero_touch(cp: Harness, tmp_path: Path) -> None:
     """`dsec run --heal --nproc-per-node 3 -- python script.py`: the same healing without a job file."""
     import subprocess

@@ -44,6 +44,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Accumulation syncs every N-th backward pass: the group's sequence of collectives changes (PPO's 32 gradient syncs
+# per update become 8), its period is lost for good (heal/sequence.py) and no replacement could ever be admitted —
+# the group would wait for its admission timeout, then restart from its snapshots. Compression keeps one sync per
+# backward pass and stays available.
+ACCUM_REASON = (
+    "healing group: accumulation would change the number of gradient syncs per loop, and a replacement could no "
+    "longer be admitted"
+)
+
 PARAM_GROUPS_BYTES = 1 << 16  # optimizer settings broadcast for alignment (JSON), padded to this size
 
 
@@ -153,6 +162,7 @@ class Healing:
         assert self.elastic is not None
         # The header rides every step under healing (admission and the contributor count depend on it).
         kwargs["header_every"] = 1
+        self.probe.actuators.refuse("grad_accum_steps", ACCUM_REASON)
         sync = HealingSync(elastic=self.elastic, params=list(ddp.parameters()), **kwargs)
         self.syncs.append(sync)
         return sync
