@@ -105,6 +105,10 @@ def map_case(_ctx: Any, case: Any) -> Any:
             for g in groups:
                 if isinstance(g, dict) and isinstance(g.get("workers"), list):
                     _unique_names(g["workers"], workers)
+                    for w in g["workers"]:
+                        # A valid pin must name a device of the inventory (422 otherwise), which holds none here.
+                        if isinstance(w, dict) and _name(w.get("device")):
+                            del w["device"]
     elif path == "/v1/heal/{run}/watch" and isinstance(case.query, dict):
         # A valid timeout (up to 60 s) would hold the run that long: the shortest valid one instead.
         timeout = case.query.get("timeout")

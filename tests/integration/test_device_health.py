@@ -173,6 +173,33 @@ def test_placement_requests_with_repeated_names_are_refused(
     assert h.admin.request("GET", "/v1/placements")["items"] == []  # nothing was placed or held
 
 
+def test_pins_in_a_placement_request(server_factory: Callable[..., Harness], tmp_path: Path) -> None:
+    h = start(server_factory, tmp_path / "cp")
+    four_devices(h)
+    h.admin.request("PUT", "/v1/devices/gpu-1", json={"id": "gpu-1", "node": "node-0", "memory_gb": 16,
+                                                      "pool": "pool-a", "health": "degraded"})  # fmt: skip
+    workers = [{"name": "a", "device": "gpu-1"}, {"name": "b", "device": "gpu-3"}, {"name": "c"}]
+    p = h.admin.place({"name": "j", "pool": "pool-a", "groups": [{"name": "g", "workers": workers}]})
+    devices = {a["worker"]: a["device"] for a in p["assignments"]}
+    # Pinned workers stay (a degraded device included: the caller says its worker runs there), the other goes to a
+    # device no pin holds.
+    assert p["complete"] and devices == {"a": "gpu-1", "b": "gpu-3", "c": "gpu-0"}, p
+    # Another job cannot pin a device this one holds: its worker is unplaced, saying why.
+    other = h.admin.place({"name": "k", "pool": "pool-a", "groups": [{"name": "g2", "workers": [
+        {"name": "x", "device": "gpu-3"}]}]})  # fmt: skip
+    assert other["unplaced"] == {"x": "pinned to gpu-3: a worker of another job runs there"}
+    bad_requests = [
+        ([{"name": "a", "device": "gpu-9"}], "groups[0].workers[0].device", "no device 'gpu-9'"),
+        ([{"name": "a"}, {"name": "b", "device": "gpu-9"}], "groups[0].workers[1].device", "no device 'gpu-9'"),
+        ([{"name": "a", "device": "gpu-2"}, {"name": "b", "device": "gpu-2"}], "groups", "gpu-2 pinned more than once"),
+    ]
+    for ws, field, message in bad_requests:
+        with pytest.raises(ApiError) as info:
+            h.admin.place({"name": "j", "pool": "pool-a", "groups": [{"name": "g", "workers": ws}]})
+        assert info.value.status == 422 and info.value.field == field and message in info.value.message, info.value
+    assert h.admin.placement("j")["assignments"] == p["assignments"]  # a refused request changed nothing
+
+
 def test_a_learner_without_peers_does_not_shield_its_slow_device(
     server_factory: Callable[..., Harness], tmp_path: Path
 ) -> None:

@@ -195,10 +195,65 @@ def test_a_degraded_device_moves_its_group(cp: Harness, tmp_path: Path) -> None:
         (rec,) = recoveries
         assert rec.reason == "degraded-device"
         assert bad not in rec.devices.values() and len(set(rec.devices.values())) == 2
+        # The rank on a healthy device keeps it (pinned in the new placement request): only trainers-0 changes.
+        assert rec.devices["trainers-1"] == before["trainers-1"]
         assert cp.admin.placement("toy")["excluded"][bad] == "device is degraded"
         assert rec.resumed_at is not None and len(rec.restored) == 2
     finally:
         (tmp_path / "stop").touch()
+        sup.stop()
+
+
+def test_a_degraded_device_moves_only_the_actor_on_it(cp: Harness, tmp_path: Path) -> None:
+    """``restart_scope: worker``: when an actor's device is degraded, that actor alone moves (stopped, started
+    again from its own snapshot on a spare device); its fellow actor and the learner keep their processes, and the
+    placement on record keeps their devices (the job is placed again with them pinned)."""
+    stop = tmp_path / "stop"
+    env = {"DSEC_HEARTBEAT_INTERVAL": "0.2", "OMP_NUM_THREADS": "1"}
+    job = JobFile.model_validate(
+        {
+            "job": "impala",
+            "pool": "pool-a",
+            "snapshots": {"dir": str(tmp_path / "snaps"), "interval_s": 1},
+            "restart": {"max_restarts": 2, "resume_timeout_s": 60},
+            "groups": [
+                {"name": "learners", "world_size": 1, "memory_gb": 1, "env": env,
+                 "command": [sys.executable, str(FIXTURE), "--stop-file", str(stop)]},
+                {"name": "actors", "role": "actor", "world_size": 2, "memory_gb": 1, "env": env,
+                 "command": [sys.executable, str(ACTOR), "--stop-file", str(stop)]},
+            ],
+        }
+    )  # fmt: skip
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                     poll_s=0.02, device_check_s=0.2, on_recovery=recoveries.append)  # fmt: skip
+    try:
+        sup.start()
+        supervise_until(sup, lambda: len(cp.admin.workers(pool="pool-a")) == 3, 90, "three workers registered")
+        placed = {a["worker"]: a["device"] for a in sup.placement["assignments"]}
+        pids = {**launcher.pids("actors"), **launcher.pids("learners")}
+        bad = placed["actors-1"]
+        cp.admin.request("PUT", f"/v1/devices/{bad}", json={"id": bad, "node": "node-0", "memory_gb": 16,
+                                                            "health": "degraded"})  # fmt: skip
+        supervise_until(sup, lambda: recoveries, 60, "the actor's move")
+        (rec,) = recoveries
+        assert (rec.mode, rec.worker, rec.reason) == ("worker", "actors-1", "degraded-device")
+        (spare,) = {f"gpu-{i}" for i in range(4)} - set(placed.values())
+        assert rec.devices == {"actors-1": spare}
+        after = {**launcher.pids("actors"), **launcher.pids("learners")}
+        assert after["actors-1"] != pids["actors-1"]
+        assert {k: v for k, v in after.items() if k != "actors-1"} == {k: v for k, v in pids.items() if k != "actors-1"}
+        record = {a["worker"]: a["device"] for a in cp.admin.placement("impala")["assignments"]}
+        assert record == {**placed, "actors-1": spare}
+        assert record == {a["worker"]: a["device"] for a in sup.placement["assignments"]}
+        supervise_until(sup, lambda: rec.resumed_at is not None, 60, "the moved actor's registration")
+        moved = [w for w in cp.admin.workers(pool="pool-a") if w["group"] == "actors" and w["rank"] == 1]
+        assert {w["device"] for w in moved if w["state"] == "active"} == {spare}
+        assert sup.restarts == {"learners": 0, "actors": 1}
+        stop.touch()
+        assert sup.run(timeout_s=60), sup.failed
+    finally:
         sup.stop()
 
 

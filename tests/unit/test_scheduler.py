@@ -981,3 +981,69 @@ def test_example_job_on_example_cluster_pool() -> None:
     assert {a.device for a in p.assignments} == {"gpu-00", "gpu-01"}
     assert {a.worker for a in p.assignments} == {"learners-0", "learners-1"}
     assert len(p.excluded) == 14 and set(p.excluded.values()) == {"not in the pool"}
+
+
+# -- placement: pins ---------------------------------------------------------------------------------------------
+def pin(spec: GroupSpec, **devices: str) -> GroupSpec:
+    """``spec`` with some workers pinned (worker name with ``-`` written ``_`` -> device)."""
+    by = {k.replace("_", "-"): v for k, v in devices.items()}
+    return replace(spec, workers=tuple(replace(w, device=by.get(w.name)) for w in spec.workers))
+
+
+def test_pinned_workers_keep_their_devices_and_only_the_others_move() -> None:
+    # What the launcher asks when one worker must leave a degraded device: the others stay where they run.
+    inv = synthesize(nodes=1, gpus_per_node=6, numa_per_node=1).with_health({"n0-gpu1": DeviceHealth.DEGRADED})
+    spec = job(pin(group("g", learners=1, actors=3), g_l0="n0-gpu0", g_a1="n0-gpu2", g_a2="n0-gpu3"))
+    p = place(spec, inv)
+    assert p.complete
+    assert {a.worker: a.device for a in p.assignments if a.worker != "g-a0"} == {
+        "g-l0": "n0-gpu0", "g-a1": "n0-gpu2", "g-a2": "n0-gpu3"
+    }  # fmt: skip
+    assert p.device_of("g-a0") in {"n0-gpu4", "n0-gpu5"}
+    assert set(p.assignments[0].terms) == TERMS
+    # Unpinned, the same job is placed anew: the learner's first choice differs from where it ran.
+    free = place(job(group("g", learners=1, actors=3)), inv, busy={"n0-gpu0"})
+    assert free.device_of("g-l0") != "n0-gpu0"
+
+
+def test_a_pin_is_honoured_on_a_degraded_device_and_takes_it_from_the_others() -> None:
+    inv = synthesize(nodes=1, gpus_per_node=3, numa_per_node=1).with_health({"n0-gpu0": DeviceHealth.DEGRADED})
+    p = place(job(pin(group("g", actors=1), g_a0="n0-gpu0"), group("h", learners=2)), inv)
+    assert p.complete and p.device_of("g-a0") == "n0-gpu0"
+    assert {p.device_of("h-l0"), p.device_of("h-l1")} == {"n0-gpu1", "n0-gpu2"}
+    # a healthy pinned device is no one else's either
+    p = place(job(pin(group("g", actors=1), g_a0="n0-gpu1"), group("h", learners=2)), inv)
+    assert p.device_of("g-a0") == "n0-gpu1" and not p.complete and set(p.unplaced) == {"h-l0", "h-l1"}
+
+
+@pytest.mark.parametrize(
+    ("device", "kwargs", "why"),
+    [
+        ("n9-gpu0", {}, "pinned to n9-gpu0: no such device"),
+        ("n0-gpu3", {"allowed": {"n0-gpu0", "n0-gpu1", "n0-gpu2"}}, "pinned to n0-gpu3: not in the pool"),
+        ("n0-gpu2", {"busy": {"n0-gpu2"}}, "pinned to n0-gpu2: a worker of another job runs there"),
+    ],
+)
+def test_a_refused_pin_leaves_its_worker_unplaced_with_why(device: str, kwargs: dict[str, Any], why: str) -> None:
+    inv = synthesize(nodes=1, gpus_per_node=4, numa_per_node=1)
+    p = place(job(pin(group("g", learners=1, actors=1), g_a0=device)), inv, **kwargs)
+    assert p.unplaced == {"g-a0": why}
+    assert p.device_of("g-l0") is not None  # the group's other worker is still placed
+
+
+def test_two_pins_on_one_device_refuse_the_second() -> None:
+    inv = synthesize(nodes=1, gpus_per_node=4, numa_per_node=1)
+    p = place(job(pin(group("g", actors=2), g_a0="n0-gpu1", g_a1="n0-gpu1")), inv)
+    assert p.device_of("g-a0") == "n0-gpu1" and p.unplaced == {"g-a1": "pinned to n0-gpu1, which g-a0 is pinned to"}
+
+
+def test_pins_count_against_the_gpu_quota_and_keep_a_group_on_their_node() -> None:
+    inv = synthesize(nodes=2, gpus_per_node=4)
+    p = place(job(pin(group("g", learners=2), g_l0="n0-gpu3")), inv, gpu_quota=2)
+    assert p.complete and p.device_of("g-l0") == "n0-gpu3" and p.device_of("g-l1") == "n0-gpu0"
+    p = place(job(pin(group("g", learners=2), g_l0="n0-gpu3")), inv, gpu_quota=1)
+    assert set(p.unplaced) == {"g-l1"} and p.device_of("g-l0") == "n0-gpu3"  # the pinned one keeps its device
+    # the unpinned worker joins its pinned peer's node, though the other node is emptier
+    p = place(job(pin(group("g", learners=2), g_l0="n1-gpu2")), inv, busy={"n1-gpu0"})
+    assert p.complete and inv.devices[p.device_of("g-l1") or ""].node == "node-1"
+    assert all(a.terms["node"] == 0.5 for a in p.assignments)

@@ -26,6 +26,11 @@ def placement_routes() -> APIRouter:
         cp = _cp(request)
         if body.pool is not None and body.pool not in cp.state.pools:
             raise errors.not_found("pool", body.pool, "pool")
+        for i, g in enumerate(body.groups):
+            for j, w in enumerate(g.workers):
+                if w.device is not None and w.device not in cp.state.devices:
+                    field = f"groups[{i}].workers[{j}].device"
+                    raise errors.ApiError(422, "invalid", f"{field}: no device {w.device!r} in the inventory", field)
         placement = await cp.scheduler.place(job_from_dict(body.model_dump()))
         return JSON(placement.to_dict())
 

@@ -5,6 +5,8 @@ CPUs."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from dsec.launch.base import WorkerLaunch
@@ -19,10 +21,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def place_job(job: JobFile, client: Any = None) -> dict[str, Any]:
+def place_job(job: JobFile, client: Any = None, pins: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Place a job file's workers: on the control plane's inventory (``client``: an admin Client), or offline on a
-    synthetic one-node inventory with a device per worker. RuntimeError when some worker cannot be placed."""
+    synthetic one-node inventory with a device per worker; ``pins``: worker -> the device it keeps. RuntimeError
+    when some worker cannot be placed."""
     spec = job.spec()
+    if pins:
+        spec = replace(
+            spec,
+            groups=tuple(
+                replace(g, workers=tuple(replace(w, device=pins.get(w.name)) for w in g.workers)) for g in spec.groups
+            ),
+        )
     if client is not None:
         placement: dict[str, Any] = client.place(job_to_dict(spec))
     else:

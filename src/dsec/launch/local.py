@@ -194,7 +194,12 @@ class LocalLauncher:
     def stop_group(self, group: str, grace_s: float = 0.0) -> None:
         """SIGKILL every process of the group's workers (their whole sessions); a gloo rank whose peer died hangs
         in its collective, so a grace period only delays the restart. Returns once they are reaped."""
-        victims = [(n, p) for n, p in self._procs.items() if p.spec.group == group]
+        self.stop_workers([n for n, p in self._procs.items() if p.spec.group == group], grace_s)
+
+    def stop_workers(self, names: list[str], grace_s: float = 0.0) -> None:
+        """Stop these workers' processes only (as :meth:`stop_group` does); their peers keep running. A stopped
+        worker is not reported by :meth:`poll` (a stop is not an exit to act on)."""
+        victims = [(n, self._procs[n]) for n in names if n in self._procs]
         if grace_s > 0:
             for _, p in victims:
                 with contextlib.suppress(ProcessLookupError):

@@ -91,8 +91,8 @@ class Supervisor:
         self._last_device_check = 0.0
 
     # -- placement and start ----------------------------------------------------------------------------------
-    def _place(self) -> dict[str, Any]:
-        return place_job(self.job, self.client)
+    def _place(self, pins: dict[str, str] | None = None) -> dict[str, Any]:
+        return place_job(self.job, self.client, pins)
 
     def _spawn(self, launches: list[WorkerLaunch]) -> None:
         self.launcher.start(launches)
@@ -342,14 +342,15 @@ class Supervisor:
         self._spawn(launches)
         rec.spawned_at = time.time()
 
-    def _restart_worker(self, e: Exit, detect_s: float) -> None:
-        """``restart_scope: worker``: start the dead process again, from its own newest snapshot; its peers keep
-        running (nothing of theirs is stopped or rolled back)."""
+    def _restart_worker(self, e: Exit, detect_s: float, reason: str = "exit") -> None:
+        """``restart_scope: worker``: start the dead (or moved) process again, from its own newest snapshot, at its
+        placed device; its peers keep running (nothing of theirs is stopped or rolled back)."""
         if e.worker in self._restarting:  # its last restart died before it registered: recorded unresumed
             self._complete(self._restarting.pop(e.worker)[0])
-        rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="worker")
-        rec.stopped_at = time.time()  # nothing to stop
-        log.warning("group %s: %s exited with %s; restarting it alone", e.group, e.worker, e.code)
+        rec = Recovery(e.group, e.worker, e.code, reason, e.at, detect_s, mode="worker")
+        rec.stopped_at = time.time()  # nothing to stop (a moved worker was stopped just before)
+        log.warning("group %s: %s %s; restarting it alone", e.group, e.worker,
+                    f"exited with {e.code}" if reason == "exit" else f"restarts ({reason})")  # fmt: skip
         if self._spent(e.group, e.worker, e.code):
             return
         self.done.discard(e.worker)
@@ -440,10 +441,13 @@ class Supervisor:
                 self._migrate(g.name, bad)
 
     def _migrate(self, group: str, bad: list[str]) -> None:
-        """Move a group off degraded devices: wait (bounded) for the snapshot the control plane requested, then
-        stop, re-place (the degraded devices are excluded now) and restart from that snapshot."""
+        """Move a group's workers off degraded devices: wait (bounded) for the snapshot the control plane
+        requested, then place the job again with every worker not on a degraded device pinned where it runs (the
+        job's other groups keep running, and the placement on record must say where), and restart from that
+        snapshot: the whole group, or with ``restart_scope: worker`` only the workers that moved, each alone."""
+        current = {a["worker"]: a["device"] for a in self.placement.get("assignments", [])}
         try:
-            placement = self._place()
+            placement = self._place({w: d for w, d in current.items() if d not in bad})
         except RuntimeError as exc:
             # Nowhere to go (no spare healthy device): the group keeps running where it is rather than stopping.
             self._unmovable[group] = bad
@@ -459,4 +463,12 @@ class Supervisor:
         self.placement = placement
         self._unmovable.pop(group, None)
         log.info("group %s moves off degraded %s", group, ", ".join(bad))
+        stop_workers = getattr(self.launcher, "stop_workers", None)
+        if self._group(group).scope == "worker" and self.launcher.starts_single_workers and stop_workers:
+            moved = sorted(w for w, d in current.items() if w.startswith(f"{group}-") and d in bad)
+            stop_workers(moved)
+            for w in moved:
+                self._live.get(group, set()).discard(w)
+                self._restart_worker(Exit(w, group, None, time.time()), 0.0, "degraded-device")
+            return
         self._restart(group, f"{group}-*", None, "degraded-device", time.time(), 0.0)

@@ -16,12 +16,17 @@ Scored preferences, per assignment (the explanation lists every term):
 
 The search is greedy and deterministic: for each group (largest first), every node that can hold it is tried and
 the best-scoring node wins; a group that fits on no single node is spread over the best devices anywhere.
+
+**Pins**: a worker may name its ``device``: it is assigned there first, whatever the device's health (the caller
+says the worker runs there and stays: the launcher pins every worker it does not move when some must leave a
+degraded device), and no other worker gets that device. A pin is refused (the worker is unplaced, with the reason)
+when the device is unknown, outside the pool, held by another job, or pinned twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsec.model import DeviceHealth
@@ -35,6 +40,7 @@ class WorkerSpec:
     role: str = "learner"  # learner | actor | other
     memory_gb: float = 8.0
     key: str | None = None  # stable identity for history (default: group/name)
+    device: str | None = None  # pinned: assigned this device first (see the module's docstring)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,8 @@ def job_to_dict(job: JobSpec) -> dict[str, Any]:
         "pool": job.pool,
         "groups": [
             {"name": g.name, "load_class": g.load_class, "replay_share": g.replay_share,
-             "workers": [{"name": w.name, "role": w.role, "memory_gb": w.memory_gb, "key": w.key}
+             "workers": [{"name": w.name, "role": w.role, "memory_gb": w.memory_gb, "key": w.key,
+                          **({"device": w.device} if w.device is not None else {})}
                          for w in g.workers]}
             for g in job.groups
         ],
@@ -79,7 +86,11 @@ def job_from_dict(data: Mapping[str, Any]) -> JobSpec:
                 str(g["name"]),
                 tuple(
                     WorkerSpec(
-                        str(w["name"]), str(w.get("role", "learner")), float(w.get("memory_gb", 8.0)), w.get("key")
+                        str(w["name"]),
+                        str(w.get("role", "learner")),
+                        float(w.get("memory_gb", 8.0)),
+                        w.get("key"),
+                        None if w.get("device") is None else str(w["device"]),
                     )
                     for w in g["workers"]
                 ),
@@ -212,35 +223,72 @@ def place(
             excluded[dev.id] = "already runs a worker"
         elif inventory.signals.get(dev.id) is not None and inventory.signals[dev.id].alarming:
             excluded[dev.id] = "NVML reports throttling or uncorrected ECC errors"
-    free = [d for d in sorted(inventory.devices) if d not in excluded]
+    unplaced: dict[str, str] = {}
+    pins = _pins(job, inventory, allowed, busy, unplaced)
+    free = [d for d in sorted(inventory.devices) if d not in excluded and d not in pins.values()]
     if gpu_quota is not None:
-        quota_left = max(0, gpu_quota - len(busy & set(allowed or inventory.devices)))
+        quota_left = max(0, gpu_quota - len(busy & set(allowed or inventory.devices)) - len(pins))
         for d in free[quota_left:]:
             excluded[d] = f"over the pool's gpu_quota ({gpu_quota})"
         free = free[:quota_left]
     assignments: list[Assignment] = []
-    unplaced: dict[str, str] = {}
-    for group in sorted(job.groups, key=lambda g: (-len(g.workers), g.name)):
+    for whole in sorted(job.groups, key=lambda g: (-len(g.workers), g.name)):
+        group = GroupSpec(
+            whole.name, tuple(w for w in whole.workers if w.name not in unplaced), whole.load_class, whole.replay_share
+        )
+        pinned = {w.name: pins[w.name] for w in group.workers if w.name in pins}
+        pinned_nodes = {inventory.devices[d].node for d in pinned.values()}
         best: list[Assignment] | None = None
         for node in sorted(inventory.nodes):
+            if pinned_nodes - {node}:
+                continue  # a worker pinned elsewhere: the group is not on this one node
             candidates = [d for d in free if inventory.devices[d].node == node]
-            trial = _place_group(group, candidates, inventory, profiles, used, weights, one_node=True)
+            trial = _place_group(group, candidates, inventory, profiles, used, weights, True, pinned)
             if trial is not None and (best is None or _total(trial) > _total(best)):
                 best = trial
         if best is None:
-            best = _place_group(group, free, inventory, profiles, used, weights, one_node=False)
+            best = _place_group(group, free, inventory, profiles, used, weights, False, pinned)
         if best is None:
             for w in group.workers:
-                unplaced[w.name] = (
-                    f"no device left with {w.memory_gb:g} GB free among {len(free)} eligible "
-                    f"(group {group.name} needs {len(group.workers)})"
-                )
-            continue
+                if w.name not in pinned:
+                    unplaced[w.name] = (
+                        f"no device left with {w.memory_gb:g} GB free among {len(free)} eligible "
+                        f"(group {group.name} needs {len(group.workers) - len(pinned)})"
+                    )
+            # Its pinned workers keep their devices all the same (they run there; nobody else may take them).
+            alone = replace(group, workers=tuple(w for w in group.workers if w.name in pinned))
+            best = _place_group(alone, [], inventory, profiles, used, weights, False, pinned) or []
         for a in best:
+            if a.worker in pinned:
+                continue  # its device never was free
             free.remove(a.device)
             used[a.device] = used.get(a.device, 0.0) + next(w.memory_gb for w in group.workers if w.name == a.worker)
         assignments += best
     return Placement(job.name, tuple(assignments), unplaced, excluded)
+
+
+def _pins(
+    job: JobSpec, inventory: Inventory, allowed: set[str] | None, busy: set[str], unplaced: dict[str, str]
+) -> dict[str, str]:
+    """The job's honoured pins (worker -> device); a refused pin leaves its worker in ``unplaced`` with why."""
+    pins: dict[str, str] = {}
+    holder: dict[str, str] = {}
+    for g in job.groups:
+        for w in g.workers:
+            d = w.device
+            if d is None:
+                continue
+            if d not in inventory.devices:
+                unplaced[w.name] = f"pinned to {d}: no such device"
+            elif allowed is not None and d not in allowed:
+                unplaced[w.name] = f"pinned to {d}: not in the pool"
+            elif d in busy:
+                unplaced[w.name] = f"pinned to {d}: a worker of another job runs there"
+            elif d in holder:
+                unplaced[w.name] = f"pinned to {d}, which {holder[d]} is pinned to"
+            else:
+                pins[w.name], holder[d] = d, w.name
+    return pins
 
 
 def _total(assignments: list[Assignment]) -> float:
@@ -259,14 +307,15 @@ def _place_group(
     used: Mapping[str, float],
     weights: Weights,
     one_node: bool,
+    pinned: Mapping[str, str],
 ) -> list[Assignment] | None:
-    if len(candidates) < len(group.workers):
+    if len(candidates) < len(group.workers) - len(pinned):
         return None
     left = list(candidates)
     placed: list[Assignment] = []
     # Per group, not per (worker, device): a device's learned risk for the group's load class, and per worker its
     # affinity to each device model. Placing 16 workers over hundreds of candidates asked Profiles millions of times.
-    risk = {d: profiles.device_risk(d, group.load_class) for d in candidates}
+    risk = {d: profiles.device_risk(d, group.load_class) for d in [*candidates, *pinned.values()]}
     counter = {"learner": "actor", "actor": "learner"}
     node_term = weights.node if one_node else 0.0
     nvlink = bool(group.replay_share)
@@ -280,10 +329,10 @@ def _place_group(
                 partners[(p.node, p.numa_node)] = partners.get((p.node, p.numa_node), 0.0) + 1.0
         # Each candidate's terms as a tuple (in _TERMS order): a dict per candidate cost more than the scoring.
         best: tuple[float, str, tuple[float, ...]] | None = None
-        for d in left:
+        for d in [pinned[w.name]] if w.name in pinned else left:
             dev = inventory.devices[d]
-            if dev.memory_gb and used.get(d, 0.0) + w.memory_gb > dev.memory_gb:
-                continue
+            if w.name not in pinned and dev.memory_gb and used.get(d, 0.0) + w.memory_gb > dev.memory_gb:
+                continue  # (a pinned worker runs there already: its memory is in use, not asked for)
             if dev.model not in affinity:
                 affinity[dev.model] = profiles.worker_model_affinity(key, dev.model)
             values: tuple[float, ...] = (
@@ -305,5 +354,6 @@ def _place_group(
         node = inventory.nodes.get(dev.node)
         cpus = node.cpus_for(dev.numa_node) if node else ()
         placed.append(Assignment(w.name, group.name, w.role, d, dev.node, dev.numa_node, cpus, terms))
-        left.remove(d)
+        if w.name not in pinned:
+            left.remove(d)
     return placed

@@ -46,6 +46,11 @@ class PlacementWorker(Strict):
     role: Literal["learner", "actor", "other"] = "learner"
     memory_gb: Float = Field(8.0, gt=0, le=4096)
     key: str | None = Field(None, max_length=256)
+    device: Name | None = Field(
+        None,
+        description="pin: the worker stays on (or goes to) this device, assigned before the others whatever its "
+        "health; an unknown device is a 422, one outside the pool or held by another job leaves the worker unplaced",
+    )
 
 
 class PlacementGroup(Strict):
@@ -73,6 +78,10 @@ class PlacementRequest(Strict):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ValueError(f"{what} names must be unique in a job: {', '.join(dup)} repeated")
+        pinned = [w.device for g in groups for w in g.workers if w.device is not None]
+        dup = sorted({d for d in pinned if pinned.count(d) > 1})
+        if dup:
+            raise ValueError(f"a device takes one worker: {', '.join(dup)} pinned more than once (workers[].device)")
         return groups
 
 
