@@ -123,6 +123,8 @@ class DeviceHealthPass(Regime):
         for g in groups:
             self.recovering_until[g] = degrade(self.card_names[card], t, self.health_config).hold_until
             victims = [w for w in ws if sim.group_of[w] == g]
+            if self.recover_alone(g, t, "migration", victims):
+                continue  # actors only: they move alone, the learner trains on (counted restart_alone:migration)
             if not self._placeable(g, victims, t):
                 self.counts["unmovable"] += 1
                 continue

@@ -117,14 +117,26 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         a failed actor is placed anew with what was learned (placement may keep it on its card) and started alone on
         a warm standby; the learner goes on with the other actors. Nowhere to go: the group restarts as a whole."""
         sim, d = self.sim, self.sc.dsec
-        if not d.restart_actors_alone or not self.actors_only(cause, victims):
+        # A move off a degraded card too (the supervisor re-places the job with every other worker pinned and
+        # restarts only the moved workers of a ``restart_scope: worker`` group, each from its own snapshot).
+        # (Only from a running group, of actors not already restarting alone: else the group moves as a whole.)
+        moving_actors = (
+            cause == "migration"
+            and sim.status[g] == RUN
+            and not bool(sim.is_learner[victims].any() or sim.absent[victims].any())
+        )
+        if not d.restart_actors_alone or not (self.actors_only(cause, victims) or moving_actors):
             return False
-        self._record_runs(victims, t, failed=True, oom=cause == "oom")
+        if not moving_actors:  # a failure is learned from before the new slot is chosen
+            self._record_runs(victims, t, failed=True, oom=cause == "oom")
         per_card = sim.layout.workers_per_gpu
         chosen = self.choose_elsewhere(g, victims, t)
         if chosen is None:
-            self.recorded.update(victims)  # restart() must not record these runs twice
+            if not moving_actors:
+                self.recorded.update(victims)  # restart() must not record these runs twice
             return False
+        if moving_actors:
+            self._record_runs(victims, t, failed=False, oom=False)
         old = {w: int(sim.slot_of[w]) for w in victims}
         sim.release(victims)
         for w, slot in chosen.items():
@@ -135,7 +147,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         moved = any(gone[slot // per_card] for slot in old.values())
         for w in victims:
             self._reset_worker(w)
-        recovery = d.restart_reschedule_s if moved else d.restart_s
+        recovery = (d.restart_reschedule_s if moved else d.restart_s) + (d.snapshot_cost_s if moving_actors else 0.0)
         self.last_recovery[g] = recovery
         self.counts[f"restart_alone:{cause}"] += 1
         sim.lose_workers(g, t, cause, victims, recovery)

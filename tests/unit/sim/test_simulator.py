@@ -571,3 +571,45 @@ def test_a_group_with_nowhere_to_go_stays_on_its_degraded_card_as_the_supervisor
         else:
             assert [i.cause for i in sim.interruptions] == ["migration"]
             assert int(sim.slot_of[1] // sc.cluster.workers_per_gpu) != card  # the worker left the degraded card
+
+
+def test_actors_on_a_degraded_card_move_alone_and_the_learner_trains_on() -> None:
+    """The supervisor moves only the workers on a degraded card of a ``restart_scope: worker`` group (placement
+    pins the others): in the simulator, a card holding only actors sends them elsewhere alone, nothing is rolled
+    back and the group keeps running; a card holding the learner still moves its group as a whole. With
+    ``restart_actors_alone`` off, the actors' card moves the whole group (the behaviour before)."""
+    for alone in (True, False):
+        sc = small(**{**QUIET, "dsec": {"restart_actors_alone": alone}})
+        r = DsecRegime(sc, None)
+        sim = Simulation(sc, r, trace=_crashes([]))
+        r.place_all(0.0)
+        sim.status[:] = RUN
+        per_card = sc.cluster.workers_per_gpu
+        cards = sim.slot_of // per_card
+        learner_cards = {int(cards[w]) for w in np.flatnonzero(sim.is_learner)}
+        card = next(int(c) for c in cards if int(c) not in learner_cards)
+        on_card = [int(w) for w in np.flatnonzero(cards == card)]
+        sim.progress[:] = 5.0  # trained since the last save
+        r.set_card_health(card, DeviceHealth.DEGRADED)
+        r._migrate_off(card, 100.0)
+        groups = {int(sim.group_of[w]) for w in on_card}
+        if alone:
+            assert r.counts["restart_alone:migration"] == len(groups) and r.counts["migrations"] == 0
+            assert (sim.status == RUN).all() and (sim.progress == 5.0).all()  # nothing rolled back
+            assert all(sim.absent[w] and sim.slot_of[w] // per_card != card for w in on_card)
+            assert {i.cause for i in sim.interruptions} == {"migration"}
+            assert all(i.learners == 0 and i.recovery_s == pytest.approx(
+                sc.dsec.restart_reschedule_s + sc.dsec.snapshot_cost_s) for i in sim.interruptions)  # fmt: skip
+        else:
+            assert r.counts["migrations"] == len(groups) and r.counts["restart_alone:migration"] == 0
+            assert all(sim.status[g] != RUN for g in groups)  # the whole group stopped to move (saved first)
+    # The learner's card: its group moves whole even with restart_actors_alone.
+    sc = small(**QUIET)
+    r = DsecRegime(sc, None)
+    sim = Simulation(sc, r, trace=_crashes([]))
+    r.place_all(0.0)
+    sim.status[:] = RUN
+    card = int(sim.slot_of[0] // sc.cluster.workers_per_gpu)
+    r.set_card_health(card, DeviceHealth.DEGRADED)
+    r._migrate_off(card, 100.0)
+    assert r.counts["migrations"] >= 1 and sim.status[0] != RUN
