@@ -27,6 +27,7 @@ SCENES = (
     "restart from snapshots",
     "healing",
     "actor restart",
+    "degraded device",
     "training processes finished cleanly",
     "simulator",
 )

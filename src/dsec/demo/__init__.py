@@ -189,10 +189,16 @@ def _restart_and_heal(
     scenes_ok["healing: a rank killed -9 -> replaced in place, its peer never stopped, replicas identical"] = (
         recovery_phase.recovered(run, result)
     )
-    run.console.print("two env runners under the supervisor; killing one (-9): it restarts alone")
+    run.console.print(
+        "two env runners under the supervisor; killing one (-9): it restarts alone; then the other's device is "
+        "marked degraded: it alone moves"
+    )
     actors = recovery_phase.actor_restart(run, ACTOR_POOL, run.state["endpoint"], home)
     scenes_ok["actor restart: an env runner killed -9 restarts alone, the other runs on"] = (
         recovery_phase.actor_restarted(run, actors)
+    )
+    scenes_ok["degraded device: only the env runner on it moves (the other pinned in place)"] = (
+        recovery_phase.actor_moved(run, actors)
     )
     scenes_ok["training processes finished cleanly"] = learners_ok
 

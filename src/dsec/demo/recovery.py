@@ -178,11 +178,66 @@ def actor_restart(run: DemoRun, pool: str, endpoint: str, home: Path) -> dict[st
         out["others_kept"] = {w: after.get(w) == pid for w, pid in before.items() if w != "actors-1"}
         _wait(sup, lambda: env_steps().get(0, 0.0) > steps_before.get(0, 0.0), 10)
         out["actor0_steps"] = (steps_before.get(0), env_steps().get(0))
+        out["move"] = _move_off_degraded(run, sup, launcher, recoveries, pool)
         stop.touch()
         out["finished"] = sup.run(timeout_s=30)
     finally:
         sup.stop()
     return out
+
+
+def _move_off_degraded(
+    run: DemoRun, sup: Supervisor, launcher: LocalLauncher, recoveries: list[Recovery], pool: str
+) -> dict[str, Any]:
+    """A spare device joins the pool, then actor 0's device is marked degraded (what the device-health judge does
+    when every worker on a device is a fleet outlier; here by hand): the supervisor places the job again with actor
+    1 pinned where it runs, and moves actor 0 alone to the spare."""
+    spec = run.client.request("GET", f"/v1/pools/{pool}")
+    devices = {d["id"]: d for d in run.client.devices()}
+    like = devices[spec["devices"][0]]
+    spare = f"{pool}-spare"
+    run.client.request("PUT", f"/v1/devices/{spare}", json={"id": spare, "node": like["node"],
+                                                            "memory_gb": like["memory_gb"], "pool": pool})  # fmt: skip
+    kept = {k: v for k, v in spec.items() if k not in ("name", "devices")}
+    run.client.put_pool(pool, **kept, devices=[*spec["devices"], spare])
+    placed = {a["worker"]: a["device"] for a in sup.placement["assignments"]}
+    before, n = launcher.pids("actors"), len(recoveries)
+    bad = devices[placed["actors-0"]]
+    run.client.request("PUT", f"/v1/devices/{bad['id']}", json={**{k: bad[k] for k in ("id", "node", "memory_gb")},
+                                                                "pool": pool, "health": "degraded"})  # fmt: skip
+    _wait(sup, lambda: len(recoveries) > n and recoveries[-1].resumed_at is not None, 30)
+    after = launcher.pids("actors")
+    rec = recoveries[-1] if len(recoveries) > n else None
+    return {
+        "bad": bad["id"],
+        "spare": spare,
+        "recovery": rec.timings() if rec else None,
+        "devices": dict(rec.devices) if rec else {},
+        "moved": after.get("actors-0") not in (None, before["actors-0"]),
+        "kept": after.get("actors-1") == before["actors-1"],
+        "record": {a["worker"]: a["device"] for a in run.client.placement("demo-actors")["assignments"]},
+        "before": placed,
+    }
+
+
+def actor_moved(run: DemoRun, a: dict[str, Any]) -> bool:
+    m = a.get("move") or {}
+    rec = m.get("recovery") or {}
+    if not rec:
+        run.notes.append("move off a degraded device: no recovery recorded for actor 0")
+        return False
+    run.notes.append(
+        f"{m['bad']} marked degraded: actor 0 alone moved to {m['devices'].get('actors-0')} (mode {rec.get('mode')}, "
+        f"reason {rec.get('reason')}), actor 1 kept its process and {m['record'].get('actors-1')}"
+    )
+    return (
+        rec.get("mode") == "worker"
+        and rec.get("reason") == "degraded-device"
+        and m["devices"] == {"actors-0": m["spare"]}
+        and bool(m.get("moved"))
+        and bool(m.get("kept"))
+        and m["record"] == {**m["before"], "actors-0": m["spare"]}
+    )
 
 
 def actor_restarted(run: DemoRun, a: dict[str, Any]) -> bool:

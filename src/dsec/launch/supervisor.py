@@ -18,9 +18,10 @@ every rank holds a verified snapshot of (probe/snapshots.py). The recovery is ti
 - ``restore_s``: the slowest rank's restore (from its ``restore`` event);
 - ``total_s``: exit noticed to training resumed (every rank restored), plus ``detect_s``.
 
-A device the control plane marks *degraded* makes the supervisor move the groups placed on it: wait (bounded) for
-the snapshot the control plane asked for, stop the group, place it again (degraded devices are excluded) and
-restart it from the snapshot on its new devices.
+A device the control plane marks *degraded* makes the supervisor move the workers placed on it: wait (bounded) for
+the snapshot the control plane asked for, place the job again with every worker not on a degraded device pinned
+where it runs (degraded devices are excluded for the others), and restart from the snapshot on the new devices —
+the whole group, or in a ``restart_scope: worker`` group only the moved workers, each alone.
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ class Supervisor:
         self._trained_s[group], self._up_since[group] = self.history(group)[0], rec.stopped_at
         if reason != "degraded-device":  # a move off a degraded device restores the snapshot taken for it
             self.rollbacks[group] += 1
-        if self._spent(group, worker, code):
+        if reason != "degraded-device" and self._spent(group, worker, code):
             self._up_since.pop(group, None)
             return
         self.done = {w for w in self.done if not w.startswith(f"{group}-")}
@@ -329,7 +330,9 @@ class Supervisor:
             self._pending[group] = rec
 
     def _spent(self, group: str, worker: str, code: int | None) -> bool:
-        """Give ``group`` up when it has used its restarts (heals count); else count this one."""
+        """Give ``group`` up when it has used its restarts (heals count); else count this one. A move off a
+        degraded device is not a failure of the job and is not counted: a group that had used its restarts was
+        given up — stopped for good — when the control plane moved it off a device."""
         if self.restarts[group] >= self.job.restart.max_restarts:
             self.failed[group] = f"{worker} exited with {code}; {self.restarts[group]} restarts already"
             log.error("group %s given up: %s", group, self.failed[group])
@@ -351,7 +354,7 @@ class Supervisor:
         rec.stopped_at = time.time()  # nothing to stop (a moved worker was stopped just before)
         log.warning("group %s: %s %s; restarting it alone", e.group, e.worker,
                     f"exited with {e.code}" if reason == "exit" else f"restarts ({reason})")  # fmt: skip
-        if self._spent(e.group, e.worker, e.code):
+        if reason != "degraded-device" and self._spent(e.group, e.worker, e.code):
             return
         self.done.discard(e.worker)
         rank = int(e.worker.rsplit("-", 1)[1])
@@ -454,7 +457,7 @@ class Supervisor:
             log.warning("group %s stays on degraded %s: %s", group, ", ".join(bad), exc)
             return
         t0 = time.time()
-        deadline = t0 + 10.0
+        deadline = t0 + (10.0 if self.job.snapshots.enabled else 0.0)  # no snapshots: none to wait for
         while time.time() < deadline:
             snaps = self.client.all_events(types=["snapshot"], pool=self.job.pool, since=t0 - 30.0)
             if any(any(str(r).startswith("degraded-") for r in e["data"].get("requests", [])) for e in snaps):
