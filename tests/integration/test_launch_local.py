@@ -117,25 +117,31 @@ def test_kill_one_rank_restarts_the_group_from_snapshots(cp: Harness, tmp_path: 
 ACTOR = Path(__file__).resolve().parents[1] / "fixtures" / "env_actor.py"
 
 
-def test_a_dead_actor_restarts_alone_and_the_learner_is_not_rolled_back(cp: Harness, tmp_path: Path) -> None:
-    """``role: actor`` groups restart per worker (``restart_scope`` defaults to ``worker`` for actors): an env runner
-    killed -9 is started again alone; its fellow actors and the learner keep their processes and their progress."""
+def impala_job(tmp_path: Path, actors: int, max_restarts: int) -> JobFile:
+    """One DDP learner and ``actors`` env runners (``role: actor``), until ``tmp_path / "stop"`` exists."""
     stop = tmp_path / "stop"
     env = {"DSEC_HEARTBEAT_INTERVAL": "0.2", "OMP_NUM_THREADS": "1"}
-    job = JobFile.model_validate(
+    return JobFile.model_validate(
         {
             "job": "impala",
             "pool": "pool-a",
             "snapshots": {"dir": str(tmp_path / "snaps"), "interval_s": 1},
-            "restart": {"max_restarts": 2, "resume_timeout_s": 60},
+            "restart": {"max_restarts": max_restarts, "resume_timeout_s": 60},
             "groups": [
                 {"name": "learners", "world_size": 1, "memory_gb": 1, "env": env,
                  "command": [sys.executable, str(FIXTURE), "--stop-file", str(stop)]},
-                {"name": "actors", "role": "actor", "world_size": 3, "memory_gb": 1, "env": env,
+                {"name": "actors", "role": "actor", "world_size": actors, "memory_gb": 1, "env": env,
                  "command": [sys.executable, str(ACTOR), "--stop-file", str(stop)]},
             ],
         }
     )  # fmt: skip
+
+
+def test_a_dead_actor_restarts_alone_and_the_learner_is_not_rolled_back(cp: Harness, tmp_path: Path) -> None:
+    """``role: actor`` groups restart per worker (``restart_scope`` defaults to ``worker`` for actors): an env runner
+    killed -9 is started again alone; its fellow actors and the learner keep their processes and their progress."""
+    stop = tmp_path / "stop"
+    job = impala_job(tmp_path, actors=3, max_restarts=2)
     assert [g.scope for g in job.groups] == ["group", "worker"]
     launcher = LocalLauncher(log_dir=tmp_path / "logs")
     recoveries: list[Recovery] = []
@@ -176,12 +182,17 @@ def test_a_dead_actor_restarts_alone_and_the_learner_is_not_rolled_back(cp: Harn
         sup.stop()
 
 
+def checking_devices(cp: Harness, job: JobFile, launcher: LocalLauncher, recoveries: list[Recovery]) -> Supervisor:
+    """A supervisor of ``job`` that reads the devices' health every 0.2 s."""
+    return Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                      poll_s=0.02, device_check_s=0.2, on_recovery=recoveries.append)  # fmt: skip
+
+
 def test_a_degraded_device_moves_its_group(cp: Harness, tmp_path: Path) -> None:
     job = job_file(tmp_path)
     launcher = LocalLauncher(log_dir=tmp_path / "logs")
     recoveries: list[Recovery] = []
-    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
-                     poll_s=0.02, device_check_s=0.2, on_recovery=recoveries.append)  # fmt: skip
+    sup = checking_devices(cp, job, launcher, recoveries)
     try:
         sup.start()
         before = {a["worker"]: a["device"] for a in sup.placement["assignments"]}
@@ -210,25 +221,10 @@ def test_a_degraded_device_moves_only_the_actor_on_it(cp: Harness, tmp_path: Pat
     placement on record keeps their devices (the job is placed again with them pinned). A move is no failure: with
     no restart allowed, the group is not given up for it."""
     stop = tmp_path / "stop"
-    env = {"DSEC_HEARTBEAT_INTERVAL": "0.2", "OMP_NUM_THREADS": "1"}
-    job = JobFile.model_validate(
-        {
-            "job": "impala",
-            "pool": "pool-a",
-            "snapshots": {"dir": str(tmp_path / "snaps"), "interval_s": 1},
-            "restart": {"max_restarts": 0, "resume_timeout_s": 60},
-            "groups": [
-                {"name": "learners", "world_size": 1, "memory_gb": 1, "env": env,
-                 "command": [sys.executable, str(FIXTURE), "--stop-file", str(stop)]},
-                {"name": "actors", "role": "actor", "world_size": 2, "memory_gb": 1, "env": env,
-                 "command": [sys.executable, str(ACTOR), "--stop-file", str(stop)]},
-            ],
-        }
-    )  # fmt: skip
+    job = impala_job(tmp_path, actors=2, max_restarts=0)
     launcher = LocalLauncher(log_dir=tmp_path / "logs")
     recoveries: list[Recovery] = []
-    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
-                     poll_s=0.02, device_check_s=0.2, on_recovery=recoveries.append)  # fmt: skip
+    sup = checking_devices(cp, job, launcher, recoveries)
     try:
         sup.start()
         supervise_until(sup, lambda: len(cp.admin.workers(pool="pool-a")) == 3, 90, "three workers registered")

@@ -478,6 +478,12 @@ def _crashes(at: list[tuple[float, int]]) -> Trace:
     )
 
 
+def _running(sc: Scenario) -> tuple[DsecRegime, Simulation]:
+    """The DSec regime placed and every group running, on a trace without faults."""
+    r, sim = _running(sc)
+    return r, sim
+
+
 @pytest.mark.parametrize("regime", ["tuned", "dsec"])
 def test_a_failed_actor_restarts_alone_and_nothing_rolls_back_a_failed_learner_still_does(regime: str) -> None:
     sc = small(**{**QUIET, "baseline": {"tuned": {"cordon_after_failures": 10}}})  # these crashes share a card
@@ -521,10 +527,7 @@ def test_the_naive_baseline_restarts_the_whole_group_for_an_actor() -> None:
 
 def test_an_absent_actor_holds_no_memory_and_is_not_judged() -> None:
     sc = small(**QUIET)
-    r = DsecRegime(sc, None)
-    sim = Simulation(sc, r, trace=_crashes([]))
-    r.place_all(0.0)
-    sim.status[:] = RUN
+    r, sim = _running(sc)
     sim.lose_workers(0, 10.0, "crash", [1], 3.0)
     assert sim.memory(11.0)[1] == 0.0 and sim.memory(11.0)[2] > 0
     assert 1 not in r.running_workers().tolist() and 2 in r.running_workers().tolist()
@@ -557,10 +560,7 @@ def test_a_group_with_nowhere_to_go_stays_on_its_degraded_card_as_the_supervisor
     full = small(**{**QUIET, "groups": {**QUIET["groups"], "count": 4, "actors": 7}})
     for spare, moved in ((False, False), (True, True)):
         sc = full if not spare else small(**{**QUIET, "groups": {**QUIET["groups"], "count": 3, "actors": 7}})
-        r = DsecRegime(sc, None)
-        sim = Simulation(sc, r, trace=_crashes([]))
-        r.place_all(0.0)
-        sim.status[:] = RUN
+        r, sim = _running(sc)
         card = int(sim.slot_of[1] // sc.cluster.workers_per_gpu)
         r.set_card_health(card, DeviceHealth.DEGRADED)
         r._migrate_off(card, 100.0)
@@ -580,10 +580,7 @@ def test_actors_on_a_degraded_card_move_alone_and_the_learner_trains_on() -> Non
     ``restart_actors_alone`` off, the actors' card moves the whole group (the behaviour before)."""
     for alone in (True, False):
         sc = small(**{**QUIET, "dsec": {"restart_actors_alone": alone}})
-        r = DsecRegime(sc, None)
-        sim = Simulation(sc, r, trace=_crashes([]))
-        r.place_all(0.0)
-        sim.status[:] = RUN
+        r, sim = _running(sc)
         per_card = sc.cluster.workers_per_gpu
         cards = sim.slot_of // per_card
         learner_cards = {int(cards[w]) for w in np.flatnonzero(sim.is_learner)}
@@ -605,10 +602,7 @@ def test_actors_on_a_degraded_card_move_alone_and_the_learner_trains_on() -> Non
             assert all(sim.status[g] != RUN for g in groups)  # the whole group stopped to move (saved first)
     # The learner's card: its group moves whole even with restart_actors_alone.
     sc = small(**QUIET)
-    r = DsecRegime(sc, None)
-    sim = Simulation(sc, r, trace=_crashes([]))
-    r.place_all(0.0)
-    sim.status[:] = RUN
+    r, sim = _running(sc)
     card = int(sim.slot_of[0] // sc.cluster.workers_per_gpu)
     r.set_card_health(card, DeviceHealth.DEGRADED)
     r._migrate_off(card, 100.0)
