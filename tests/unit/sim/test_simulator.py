@@ -480,7 +480,10 @@ def _crashes(at: list[tuple[float, int]]) -> Trace:
 
 def _running(sc: Scenario) -> tuple[DsecRegime, Simulation]:
     """The DSec regime placed and every group running, on a trace without faults."""
-    r, sim = _running(sc)
+    r = DsecRegime(sc, None)
+    sim = Simulation(sc, r, trace=_crashes([]))
+    r.place_all(0.0)
+    sim.status[:] = RUN
     return r, sim
 
 
