@@ -235,6 +235,38 @@ def test_a_death_while_a_replacement_waits(cp: Harness, supervised: Callable[...
     assert finish(sup, tmp_path)["max_param_diff"] == 0.0
 
 
+def test_a_rank_on_a_degraded_device_is_healed_onto_another(
+    cp: Harness, supervised: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A device marked degraded under a rank of a healing group: that rank alone is stopped and healed in place on
+    a spare device (the job placed again with its peers pinned); its peers keep their processes and step counters,
+    nothing rolls back, and the move uses no restart (``max_restarts: 0``)."""
+    recoveries: list[Recovery] = []
+    sup, launcher = supervised(job_file(tmp_path, max_restarts=0), recoveries)
+    sup.start()
+    supervise_until(sup, lambda: len(steps_of(tmp_path, "trainers-0")) >= 100, 120, "100 steps on rank 0")
+    placed = {a["worker"]: a["device"] for a in sup.placement["assignments"]}
+    pids = launcher.pids("trainers")
+    bad = placed["trainers-1"]
+    cp.admin.request("PUT", f"/v1/devices/{bad}", json={"id": bad, "node": "node-0", "memory_gb": 16,
+                                                        "pool": "pool-a", "health": "degraded"})  # fmt: skip
+    (rec,) = supervise_until(
+        sup, lambda: recoveries, 90, "the moved rank's admission", lambda: heal_story(cp.admin, tmp_path)
+    )
+    assert (rec.mode, rec.worker, rec.reason) == ("heal", "trainers-1", "degraded-device"), rec
+    assert rec.devices["trainers-1"] not in placed.values()  # a spare device, not the degraded one
+    now = launcher.pids("trainers")
+    assert now["trainers-1"] != pids["trainers-1"]
+    assert {w: now[w] for w in ("trainers-0", "trainers-2")} == {w: pids[w] for w in ("trainers-0", "trainers-2")}
+    for w in ("trainers-0", "trainers-2"):
+        counts = [ln["step"] for ln in steps_of(tmp_path, w)]
+        assert counts == list(range(1, len(counts) + 1)), f"{w}'s step counter restarted"
+    record = {a["worker"]: a["device"] for a in cp.admin.placement("heal")["assignments"]}
+    assert record == {**placed, "trainers-1": rec.devices["trainers-1"]}
+    assert not cp.admin.all_events(types=["restore"])  # nothing restored from snapshots: nothing rolled back
+    assert finish(sup, tmp_path)["max_param_diff"] == 0.0
+
+
 def test_the_control_plane_restarted_during_healing(server_factory: Callable[..., Harness], tmp_path: Path) -> None:
     from dsec.client import Client
 

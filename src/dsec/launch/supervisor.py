@@ -233,8 +233,9 @@ class Supervisor:
             return False
         return int(e.worker.rsplit("-", 1)[1]) in (state.get("left") or [])
 
-    def _heal(self, e: Exit, detect_s: float) -> bool:
-        """Replace the dead rank in place (its peers keep training). False: the group must restart instead."""
+    def _heal(self, e: Exit, detect_s: float, reason: str = "exit") -> bool:
+        """Replace the dead (or moved) rank in place, at its placed device (its peers keep training). False: the
+        group must restart instead."""
         if self.heal_client is None:
             return False
         if not self.launcher.starts_single_workers:  # (the Ray launcher starts a group whole)
@@ -242,13 +243,14 @@ class Supervisor:
                         e.group, self.launcher.name)  # fmt: skip
             return False
         rank = int(e.worker.rsplit("-", 1)[1])
-        rec = Recovery(e.group, e.worker, e.code, "exit", e.at, detect_s, mode="heal", run=self.runs[e.group])
-        rec.report = {"dead_rank": rank, "dead_pid": e.pid, "reason": f"{e.worker} exited with {e.code}"}
+        rec = Recovery(e.group, e.worker, e.code, reason, e.at, detect_s, mode="heal", run=self.runs[e.group])
+        why = f"{e.worker} exited with {e.code}" if reason == "exit" else f"{e.worker} stopped ({reason})"
+        rec.report = {"dead_rank": rank, "dead_pid": e.pid, "reason": why}
         view = self._report(rec)
         if view is not None and not view.get("epoch"):
             return False  # died before the group's first epoch formed: nothing to heal yet
         rec.stopped_at = time.time()
-        if self._spent(e.group, e.worker, e.code):
+        if reason != "degraded-device" and self._spent(e.group, e.worker, e.code):
             return True
         self.done.discard(e.worker)
         launches = self._launches(e.group, restore=False, ranks=[rank], replacement=True)
@@ -444,10 +446,12 @@ class Supervisor:
                 self._migrate(g.name, bad)
 
     def _migrate(self, group: str, bad: list[str]) -> None:
-        """Move a group's workers off degraded devices: wait (bounded) for the snapshot the control plane
-        requested, then place the job again with every worker not on a degraded device pinned where it runs (the
-        job's other groups keep running, and the placement on record must say where), and restart from that
-        snapshot: the whole group, or with ``restart_scope: worker`` only the workers that moved, each alone."""
+        """Move a group's workers off degraded devices: place the job again with every worker not on a degraded
+        device pinned where it runs (the job's other groups keep running, and the placement on record must say
+        where), then move only the workers on those devices when the group allows it — a ``restart_scope: worker``
+        group restarts each alone from its own snapshot, a healing group heals each in place (a replacement on the
+        new device takes the live state from a peer that stays: nothing rolls back) — or else restart the whole
+        group from the snapshot the control plane requested (waited for, bounded)."""
         current = {a["worker"]: a["device"] for a in self.placement.get("assignments", [])}
         try:
             placement = self._place({w: d for w, d in current.items() if d not in bad})
@@ -456,8 +460,16 @@ class Supervisor:
             self._unmovable[group] = bad
             log.warning("group %s stays on degraded %s: %s", group, ", ".join(bad), exc)
             return
+        moved = sorted(w for w, d in current.items() if w.startswith(f"{group}-") and d in bad)
+        live = self._live.get(group, set())
+        stop_workers = getattr(self.launcher, "stop_workers", None)
+        single = self.launcher.starts_single_workers and stop_workers is not None
+        # Healing needs a member that stays to hand the state over; without one the group restarts.
+        healing = single and group in self.runs and bool(live - set(moved))
+        alone = single and (healing or self._group(group).scope == "worker")
         t0 = time.time()
-        deadline = t0 + (10.0 if self.job.snapshots.enabled else 0.0)  # no snapshots: none to wait for
+        # A replacement in a healing group takes the live state: no snapshot to wait for (nor with snapshots off).
+        deadline = t0 + (10.0 if self.job.snapshots.enabled and not healing else 0.0)
         while time.time() < deadline:
             snaps = self.client.all_events(types=["snapshot"], pool=self.job.pool, since=t0 - 30.0)
             if any(any(str(r).startswith("degraded-") for r in e["data"].get("requests", [])) for e in snaps):
@@ -466,12 +478,16 @@ class Supervisor:
         self.placement = placement
         self._unmovable.pop(group, None)
         log.info("group %s moves off degraded %s", group, ", ".join(bad))
-        stop_workers = getattr(self.launcher, "stop_workers", None)
-        if self._group(group).scope == "worker" and self.launcher.starts_single_workers and stop_workers:
-            moved = sorted(w for w, d in current.items() if w.startswith(f"{group}-") and d in bad)
-            stop_workers(moved)
-            for w in moved:
-                self._live.get(group, set()).discard(w)
-                self._restart_worker(Exit(w, group, None, time.time()), 0.0, "degraded-device")
+        if not alone or stop_workers is None:
+            self._restart(group, f"{group}-*", None, "degraded-device", time.time(), 0.0)
             return
-        self._restart(group, f"{group}-*", None, "degraded-device", time.time(), 0.0)
+        pids: dict[str, int] = getattr(self.launcher, "pids", lambda _g: {})(group)
+        stop_workers(moved)
+        for w in moved:
+            live.discard(w)
+            gone = Exit(w, group, None, time.time(), pids.get(w))
+            if not healing:
+                self._restart_worker(gone, 0.0, "degraded-device")
+            elif not self._heal(gone, 0.0, "degraded-device"):
+                self._restart(group, w, None, "degraded-device", time.time(), 0.0)
+                return
