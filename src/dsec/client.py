@@ -233,8 +233,9 @@ class Client:
     def put_policies(self, text: str, source: str = "policies.yaml") -> dict[str, Any]:
         return dict(self.request("PUT", "/v1/policies", json={"text": text, "source": source}))
 
-    def place(self, job: Mapping[str, Any]) -> dict[str, Any]:
-        return dict(self.request("POST", "/v1/placements", json=dict(job)))
+    def place(self, job: Mapping[str, Any], complete_only: bool = False) -> dict[str, Any]:
+        params = {"complete_only": "true"} if complete_only else None
+        return dict(self.request("POST", "/v1/placements", json=dict(job), params=params))
 
     def placement(self, job: str) -> dict[str, Any]:
         return dict(self.request("GET", f"/v1/placements/{job}"))

@@ -198,6 +198,13 @@ def test_pins_in_a_placement_request(server_factory: Callable[..., Harness], tmp
             h.admin.place({"name": "j", "pool": "pool-a", "groups": [{"name": "g", "workers": ws}]})
         assert info.value.status == 422 and info.value.field == field and message in info.value.message, info.value
     assert h.admin.placement("j")["assignments"] == p["assignments"]  # a refused request changed nothing
+    # complete_only: a placement that would leave a worker unplaced is a 409 naming it, and is not recorded.
+    more = [*workers, {"name": "d"}, {"name": "e"}]  # five workers, four devices
+    with pytest.raises(ApiError) as info:
+        h.admin.place({"name": "j", "pool": "pool-a", "groups": [{"name": "g", "workers": more}]}, complete_only=True)
+    assert info.value.status == 409 and "cannot be placed whole" in info.value.message, info.value
+    assert h.admin.placement("j")["assignments"] == p["assignments"]
+    assert not h.admin.place({"name": "j", "pool": "pool-a", "groups": [{"name": "g", "workers": more}]})["complete"]
 
 
 def test_a_learner_without_peers_does_not_shield_its_slow_device(

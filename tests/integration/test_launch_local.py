@@ -215,6 +215,43 @@ def test_a_degraded_device_moves_its_group(cp: Harness, tmp_path: Path) -> None:
         sup.stop()
 
 
+def test_a_group_with_nowhere_to_go_stays_then_moves_when_a_device_frees(cp: Harness, tmp_path: Path) -> None:
+    """No spare device (another job holds the other two): the group stays on its degraded device, running, and the
+    placement on record is left as it was (a failed re-placement records nothing); once the other job releases its
+    devices, the next try moves the group."""
+    job = job_file(tmp_path)
+    launcher = LocalLauncher(log_dir=tmp_path / "logs")
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=cp.admin, endpoint=cp.url, pool_token=cp.pool_tokens["pool-a"],
+                     poll_s=0.02, device_check_s=0.2, unmovable_retry_s=0.5,
+                     on_recovery=recoveries.append)  # fmt: skip
+    try:
+        sup.start()
+        placed = cp.admin.placement("toy")
+        before = {a["worker"]: a["device"] for a in placed["assignments"]}
+        others = [w for w in ("gpu-0", "gpu-1", "gpu-2", "gpu-3") if w not in before.values()]
+        cp.admin.place({"name": "blocker", "pool": "pool-a", "groups": [{"name": "b", "workers": [
+            {"name": f"b-{i}", "device": d} for i, d in enumerate(others)]}]})  # fmt: skip
+        pids = launcher.pids("trainers")
+        bad = before["trainers-0"]
+        cp.admin.request("PUT", f"/v1/devices/{bad}", json={"id": bad, "node": "node-0", "memory_gb": 16,
+                                                            "health": "degraded"})  # fmt: skip
+        deadline = time.monotonic() + 3.0  # several device checks and retries
+        while time.monotonic() < deadline:
+            sup.step()
+            time.sleep(0.02)
+        assert recoveries == [] and launcher.pids("trainers") == pids  # stayed, running
+        assert cp.admin.placement("toy") == placed  # the failed tries recorded nothing
+        cp.admin.release_placement("blocker")
+        supervise_until(sup, lambda: recoveries, 60, "the move once devices are free")
+        (rec,) = recoveries
+        assert rec.reason == "degraded-device" and rec.devices["trainers-0"] in others
+        assert rec.devices["trainers-1"] == before["trainers-1"]
+    finally:
+        (tmp_path / "stop").touch()
+        sup.stop()
+
+
 def test_a_degraded_device_moves_only_the_actor_on_it(cp: Harness, tmp_path: Path) -> None:
     """``restart_scope: worker``: when an actor's device is degraded, that actor alone moves (stopped, started
     again from its own snapshot on a spare device); its fellow actor and the learner keep their processes, and the

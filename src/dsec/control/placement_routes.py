@@ -19,10 +19,12 @@ from dsec.scheduler.placement import job_from_dict
 def placement_routes() -> APIRouter:
     r, admin = admin_api_routers()
 
-    @admin.post("/placements", responses=documented(404))
-    async def create_placement(body: PlacementRequest, request: Request) -> Response:
+    @admin.post("/placements", responses=documented(404, 409))
+    async def create_placement(body: PlacementRequest, request: Request, complete_only: bool = False) -> Response:
         """Place a job's worker groups on the inventory; answers every assignment with its score per term, the
-        devices left out and why, and the workers that could not be placed."""
+        devices left out and why, and the workers that could not be placed. ``complete_only``: a placement that
+        leaves a worker unplaced is answered 409 (naming them) and not recorded — the job's placement in force, and
+        the devices it holds, stay as they were (a launcher moving some workers of a running job asks so)."""
         cp = _cp(request)
         if body.pool is not None and body.pool not in cp.state.pools:
             raise errors.not_found("pool", body.pool, "pool")
@@ -31,7 +33,10 @@ def placement_routes() -> APIRouter:
                 if w.device is not None and w.device not in cp.state.devices:
                     field = f"groups[{i}].workers[{j}].device"
                     raise errors.ApiError(422, "invalid", f"{field}: no device {w.device!r} in the inventory", field)
-        placement = await cp.scheduler.place(job_from_dict(body.model_dump()))
+        placement = await cp.scheduler.place(job_from_dict(body.model_dump()), complete_only=complete_only)
+        if complete_only and not placement.complete:
+            unplaced = "; ".join(f"{w}: {why}" for w, why in sorted(placement.unplaced.items()))
+            raise errors.conflict(f"job {body.name} cannot be placed whole, nothing recorded ({unplaced})", "groups")
         return JSON(placement.to_dict())
 
     @r.get("/placements")

@@ -103,12 +103,13 @@ class Scheduler:
     def inventory(self) -> Inventory:
         return from_cluster(self.state.devices.values())
 
-    async def place(self, job: JobSpec) -> Placement:
+    async def place(self, job: JobSpec, complete_only: bool = False) -> Placement:
+        """Place ``job`` and record it (``complete_only``: only when every worker is placed; else nothing changes)."""
         # One placement at a time: two jobs placed at once would each see the other's devices as free.
         async with self._placing:
-            return await self._place(job)
+            return await self._place(job, complete_only)
 
-    async def _place(self, job: JobSpec) -> Placement:
+    async def _place(self, job: JobSpec, complete_only: bool) -> Placement:
         pool = self.state.pools.get(job.pool) if job.pool else None
         allowed = set(pool.devices) if pool is not None and pool.devices else None
         busy = {a.device for name, p in self.placements.items() if name != job.name for a in p.assignments}
@@ -120,6 +121,8 @@ class Scheduler:
             gpu_quota=pool.gpu_quota if pool is not None else None,
             busy=busy,
         )
+        if complete_only and not placement.complete:
+            return placement
         now = self.clock()
         summary = {
             "job": job.name,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from dsec.client import ApiError
 from dsec.launch.base import WorkerLaunch
 from dsec.launch.jobfile import JobFile
 from dsec.scheduler.inventory import synthesize
@@ -34,7 +35,14 @@ def place_job(job: JobFile, client: Any = None, pins: Mapping[str, str] | None =
             ),
         )
     if client is not None:
-        placement: dict[str, Any] = client.place(job_to_dict(spec))
+        try:
+            # Re-placing a running job (pins): all or nothing, so a failed try leaves its record and devices alone.
+            body = job_to_dict(spec)
+            placement: dict[str, Any] = client.place(body, complete_only=True) if pins else client.place(body)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            raise RuntimeError(f"job {job.job} cannot be placed: {exc.message}") from exc
     else:
         n = sum(len(g.workers) for g in spec.groups)
         placement = place(spec, synthesize(nodes=1, gpus_per_node=n, numa_per_node=1)).to_dict()

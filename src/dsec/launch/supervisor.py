@@ -55,6 +55,7 @@ class Supervisor:
         pool_token: str | None = None,
         poll_s: float = 0.05,
         device_check_s: float = 1.0,
+        unmovable_retry_s: float = 30.0,
         on_recovery: Callable[[Recovery], None] | None = None,
         heal_client: Any = None,  # for the healing routes, when ``client`` is None (a pool token suffices)
         assign_devices: bool = True,  # False: no device per worker (dsec run: CUDA_VISIBLE_DEVICES left alone)
@@ -68,6 +69,7 @@ class Supervisor:
         self.pool_token = pool_token
         self.poll_s = poll_s
         self.device_check_s = device_check_s
+        self.unmovable_retry_s = unmovable_retry_s
         self.on_recovery = on_recovery
         self.placement: dict[str, Any] = {}
         self.restarts: dict[str, int] = {g.name: 0 for g in job.groups}
@@ -81,7 +83,9 @@ class Supervisor:
         self._restarting: dict[str, tuple[Recovery, set[str] | None]] = {}
         self.runs: dict[str, str] = {}  # healing group -> its current healing run
         self._live: dict[str, set[str]] = {}  # group -> workers started and not exited
-        self._unmovable: dict[str, list[str]] = {}  # group -> degraded devices it could not be moved off
+        # group -> the degraded devices it could not be moved off, and when it tried (it tries again after
+        # ``unmovable_retry_s``: another job ending frees devices)
+        self._unmovable: dict[str, tuple[list[str], float]] = {}
         self._restarted: set[str] = set()  # groups restarted during the current step
         # Failure history per group, for ``snapshots.cadence: failure_history``: seconds trained by the group's
         # earlier incarnations, when the current one started, and the restarts that rolled it back to snapshots.
@@ -442,7 +446,8 @@ class Supervisor:
             ):
                 continue
             bad = sorted({d for w, d in mine.items() if w.startswith(f"{g.name}-") and health.get(d) == "degraded"})
-            if bad and self._unmovable.get(g.name) != bad:
+            tried = self._unmovable.get(g.name)
+            if bad and (tried is None or tried[0] != bad or time.time() - tried[1] >= self.unmovable_retry_s):
                 self._migrate(g.name, bad)
 
     def _migrate(self, group: str, bad: list[str]) -> None:
@@ -457,8 +462,9 @@ class Supervisor:
             placement = self._place({w: d for w, d in current.items() if d not in bad})
         except RuntimeError as exc:
             # Nowhere to go (no spare healthy device): the group keeps running where it is rather than stopping.
-            self._unmovable[group] = bad
-            log.warning("group %s stays on degraded %s: %s", group, ", ".join(bad), exc)
+            if group not in self._unmovable:
+                log.warning("group %s stays on degraded %s: %s", group, ", ".join(bad), exc)
+            self._unmovable[group] = (bad, time.time())
             return
         moved = sorted(w for w, d in current.items() if w.startswith(f"{group}-") and d in bad)
         live = self._live.get(group, set())

@@ -80,7 +80,7 @@ class ControlPlane:
     def devices(self) -> list[dict[str, Any]]:
         return []
 
-    def place(self, job: dict[str, Any]) -> dict[str, Any]:
+    def place(self, job: dict[str, Any], complete_only: bool = False) -> dict[str, Any]:
         workers = [w for g in job["groups"] for w in g["workers"]]
         return {"complete": True, "unplaced": [], "assignments": [
             {"worker": w["name"], "device": f"gpu{i}", "node": "n0", "cpus": []} for i, w in enumerate(workers)
