@@ -14,6 +14,9 @@ from dsec.model import DeviceHealth
 from dsec.scheduler import DeviceHealthConfig, DeviceHealthTracker
 from dsec.sim.regimes import Regime
 from dsec.sim.scenario import Scenario
+from dsec.sim.world import RUN
+
+UNMOVABLE_RETRY_S = 30.0  # the launcher's supervisor's default ``unmovable_retry_s``
 
 
 class DeviceHealthPass(Regime):
@@ -30,6 +33,7 @@ class DeviceHealthPass(Regime):
     health_by_name: dict[str, DeviceHealth]
     pool_names: list[str]
     recovering_until: np.ndarray
+    unmovable: dict[int, tuple[int, float]]
 
     def _record_runs(self, victims: list[int], t: float, failed: bool, oom: bool) -> None:
         raise NotImplementedError
@@ -84,6 +88,8 @@ class DeviceHealthPass(Regime):
             self.counts[f"device:{change.after.value}"] += 1
             if change.degraded:
                 self._migrate_off(c, t)
+        if self.unmovable:
+            self._retry_unmovable(t)
 
     def set_card_health(self, card: int, health: DeviceHealth) -> None:
         self.health_by_name[self.card_names[card]] = health
@@ -122,15 +128,33 @@ class DeviceHealthPass(Regime):
         groups = sorted({int(sim.group_of[w]) for w in ws})
         for g in groups:
             self.recovering_until[g] = degrade(self.card_names[card], t, self.health_config).hold_until
-            victims = [w for w in ws if sim.group_of[w] == g]
-            if self.recover_alone(g, t, "migration", victims):
-                continue  # actors only: they move alone, the learner trains on (counted restart_alone:migration)
-            if not self._placeable(g, victims, t):
-                self.counts["unmovable"] += 1
+            self._move_off(card, g, [w for w in ws if sim.group_of[w] == g], t)
+
+    def _move_off(self, card: int, g: int, victims: list[int], t: float, retry: bool = False) -> None:
+        sim = self.sim
+        self.unmovable.pop(g, None)
+        if self.recover_alone(g, t, "migration", victims):
+            return  # actors only: they move alone, the learner trains on (counted restart_alone:migration)
+        if not self._placeable(g, victims, t):
+            self.counts["unmovable_retries" if retry else "unmovable"] += 1
+            self.unmovable[g] = (card, t)
+            return
+        self.counts["migrations"] += 1
+        self._record_runs(victims, t, failed=False, oom=False)
+        sim.fail(g, t, "migration", victims, durable_first=True)
+
+    def _retry_unmovable(self, t: float) -> None:
+        """As the supervisor does every ``UNMOVABLE_RETRY_S``: a group left on a degraded card tries to move again
+        (capacity may have come back), while the card is degraded and the group still has workers on it."""
+        sim, per_card = self.sim, self.sim.layout.workers_per_gpu
+        for g, (card, tried) in sorted(self.unmovable.items()):
+            if t - tried < UNMOVABLE_RETRY_S:
                 continue
-            self.counts["migrations"] += 1
-            self._record_runs(victims, t, failed=False, oom=False)
-            sim.fail(g, t, "migration", victims, durable_first=True)
+            victims = [int(w) for w in sim.workers_of(g) if sim.slot_of[w] >= 0 and sim.slot_of[w] // per_card == card]
+            if not self.degraded[card] or not victims or sim.status[g] != RUN:
+                del self.unmovable[g]
+                continue
+            self._move_off(card, g, victims, t, retry=True)
 
     def _placeable(self, g: int, victims: list[int], t: float) -> bool:
         """Whether placement finds the ``victims`` of group ``g`` new slots (the degraded card excluded), or else

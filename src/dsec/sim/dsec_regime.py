@@ -90,6 +90,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.recovering_until = np.full(sim.G, -math.inf)
         self.degraded = np.zeros(lay.cards, dtype=bool)  # placement excludes these (dsec.scheduler.place does too)
         self.probation = np.zeros(lay.cards, dtype=bool)  # on probation after a degradation
+        # group -> (the degraded card it could not be moved off, when it last tried): the supervisor tries again
+        self.unmovable: dict[int, tuple[int, float]] = {}
         self.card_names = [lay.card_name(c) for c in range(lay.cards)]
         self.health_by_name = dict.fromkeys(self.card_names, DeviceHealth.HEALTHY)
         self.tracker = DeviceHealthTracker(self.health_config)

@@ -571,6 +571,18 @@ def test_a_group_with_nowhere_to_go_stays_on_its_degraded_card_as_the_supervisor
         if not moved:
             assert sim.interruptions == [] and (sim.status == RUN).all()
             assert sim.slot_of.min() >= 0  # nobody released: the group trains on where it is
+            # It tries again every 30 s, as the supervisor does: still full, it stays; once a group's slots are
+            # free (that job ended), it moves.
+            g = int(sim.group_of[1])
+            r._retry_unmovable(110.0)
+            assert r.counts["unmovable_retries"] == 0  # too soon
+            r._retry_unmovable(131.0)
+            assert r.counts["unmovable_retries"] == 1 and sim.interruptions == []
+            other = next(x for x in range(sc.groups.count) if x != g)
+            sim.release(list(sim.workers_of(other)))
+            r._retry_unmovable(162.0)
+            assert r.counts["migrations"] == 1 and [i.cause for i in sim.interruptions] == ["migration"]
+            assert g not in r.unmovable
         else:
             assert [i.cause for i in sim.interruptions] == ["migration"]
             assert int(sim.slot_of[1] // sc.cluster.workers_per_gpu) != card  # the worker left the degraded card
