@@ -43,6 +43,8 @@ __all__ = ["Recovery", "Supervisor", "free_port", "place_job"]
 
 log = logging.getLogger(__name__)
 
+MOVE = "degraded-device"  # the reason of a recovery that moves workers off a degraded device (not a failure)
+
 
 class Supervisor:
     def __init__(
@@ -55,7 +57,7 @@ class Supervisor:
         pool_token: str | None = None,
         poll_s: float = 0.05,
         device_check_s: float = 1.0,
-        unmovable_retry_s: float = 30.0,
+        unmovable_retry_s: float = 30.0,  # (the simulator mirrors it: dsec.sim.dsec_devices.UNMOVABLE_RETRY_S)
         on_recovery: Callable[[Recovery], None] | None = None,
         heal_client: Any = None,  # for the healing routes, when ``client`` is None (a pool token suffices)
         assign_devices: bool = True,  # False: no device per worker (dsec run: CUDA_VISIBLE_DEVICES left alone)
@@ -254,7 +256,7 @@ class Supervisor:
         if view is not None and not view.get("epoch"):
             return False  # died before the group's first epoch formed: nothing to heal yet
         rec.stopped_at = time.time()
-        if reason != "degraded-device" and self._spent(e.group, e.worker, e.code):
+        if self._spent(e.group, e.worker, e.code, reason):
             return True
         self.done.discard(e.worker)
         launches = self._launches(e.group, restore=False, ranks=[rank], replacement=True)
@@ -319,9 +321,9 @@ class Supervisor:
         self._live.pop(group, None)
         rec.stopped_at = time.time()
         self._trained_s[group], self._up_since[group] = self.history(group)[0], rec.stopped_at
-        if reason != "degraded-device":  # a move off a degraded device restores the snapshot taken for it
+        if reason != MOVE:  # a move off a degraded device restores the snapshot taken for it
             self.rollbacks[group] += 1
-        if reason != "degraded-device" and self._spent(group, worker, code):
+        if self._spent(group, worker, code, reason):
             self._up_since.pop(group, None)
             return
         self.done = {w for w in self.done if not w.startswith(f"{group}-")}
@@ -335,10 +337,12 @@ class Supervisor:
         else:
             self._pending[group] = rec
 
-    def _spent(self, group: str, worker: str, code: int | None) -> bool:
+    def _spent(self, group: str, worker: str, code: int | None, reason: str) -> bool:
         """Give ``group`` up when it has used its restarts (heals count); else count this one. A move off a
         degraded device is not a failure of the job and is not counted: a group that had used its restarts was
         given up — stopped for good — when the control plane moved it off a device."""
+        if reason == MOVE:
+            return False
         if self.restarts[group] >= self.job.restart.max_restarts:
             self.failed[group] = f"{worker} exited with {code}; {self.restarts[group]} restarts already"
             log.error("group %s given up: %s", group, self.failed[group])
@@ -360,7 +364,7 @@ class Supervisor:
         rec.stopped_at = time.time()  # nothing to stop (a moved worker was stopped just before)
         log.warning("group %s: %s %s; restarting it alone", e.group, e.worker,
                     f"exited with {e.code}" if reason == "exit" else f"restarts ({reason})")  # fmt: skip
-        if reason != "degraded-device" and self._spent(e.group, e.worker, e.code):
+        if self._spent(e.group, e.worker, e.code, reason):
             return
         self.done.discard(e.worker)
         rank = int(e.worker.rsplit("-", 1)[1])
@@ -485,7 +489,7 @@ class Supervisor:
         self._unmovable.pop(group, None)
         log.info("group %s moves off degraded %s", group, ", ".join(bad))
         if not alone or stop_workers is None:
-            self._restart(group, f"{group}-*", None, "degraded-device", time.time(), 0.0)
+            self._restart(group, f"{group}-*", None, MOVE, time.time(), 0.0)
             return
         pids: dict[str, int] = getattr(self.launcher, "pids", lambda _g: {})(group)
         stop_workers(moved)
@@ -493,7 +497,7 @@ class Supervisor:
             live.discard(w)
             gone = Exit(w, group, None, time.time(), pids.get(w))
             if not healing:
-                self._restart_worker(gone, 0.0, "degraded-device")
-            elif not self._heal(gone, 0.0, "degraded-device"):
-                self._restart(group, w, None, "degraded-device", time.time(), 0.0)
+                self._restart_worker(gone, 0.0, MOVE)
+            elif not self._heal(gone, 0.0, MOVE):
+                self._restart(group, w, None, MOVE, time.time(), 0.0)
                 return
