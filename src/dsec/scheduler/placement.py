@@ -233,9 +233,7 @@ def place(
         free = free[:quota_left]
     assignments: list[Assignment] = []
     for whole in sorted(job.groups, key=lambda g: (-len(g.workers), g.name)):
-        group = GroupSpec(
-            whole.name, tuple(w for w in whole.workers if w.name not in unplaced), whole.load_class, whole.replay_share
-        )
+        group = replace(whole, workers=tuple(w for w in whole.workers if w.name not in unplaced))
         pinned = {w.name: pins[w.name] for w in group.workers if w.name in pins}
         pinned_nodes = {inventory.devices[d].node for d in pinned.values()}
         best: list[Assignment] | None = None
