@@ -64,6 +64,10 @@ class Actuators:
         self.sync_priority = 0
         self._sampling = threading.Event()
         self._sampling.set()
+        # The same state as a plain attribute for the environment monitors, which read it at every env step: an
+        # attribute read there instead of two calls (sampling_allowed -> Event.is_set, ~4 µs each with the caches
+        # cold after a policy forward pass; probe-overhead benchmark).
+        self.sampling_paused = False
         self._sampling_callbacks: list[Callable[[bool], None]] = []
         self.memory_fraction_applied: float | None = None
 
@@ -175,6 +179,7 @@ class Actuators:
             self._sampling.set()
         else:
             self._sampling.clear()
+        self.sampling_paused = not allowed
         for cb in list(self._sampling_callbacks):
             try:
                 cb(allowed)

@@ -27,19 +27,21 @@ one-hot slots summed by the all_reduce, or a prefix of each rank's chunk. All ra
 next cycle start they switch together, and they agree on group snapshots and drift without another collective.
 A hand-written all-reduce of gradients (manual_sync.py) carries it at every step.
 
-The header is what costs in the all_reduce path (encoding, decoding, the guard's votes: ~100 µs of Python per
-step against a native all_reduce of a few hundred), so it can ride every Nth synchronized step only
-(``DSEC_HEADER_EVERY``, opt-in; default 1: every step, sync_header.DEFAULT_EVERY); the steps between all_reduce the
-bucket's own buffer in place, the way DDP's default hook does. Whether a step carries the header depends only on the
-agreed state (the count of synchronized steps since the last header and the agreed levels), so every rank decides
-the same. What N > 1 costs: level changes, group-snapshot agreement, replica fingerprints and the arrival stamps
-happen only at header steps (a directive takes effect up to N steps later); between them a rank's sync cost is
-estimated from its lag and wait at the last header (``_estimate_arrival``: its cost stays its own share, the
-straggler's punctual peers are not blamed for waiting; a straggler that recovers is seen at the next header). The
-byte paths (8/4 bits, mixed levels) carry the header at every step. Measured (docs/benchmarks.md): the probe's
-cost on a learner-sized step 0.52% with N = 1, 0.35% with N = 8; N = 8 was the default for a few hours on
-2026-12-03 and went back to opt-in: the demo's breaker scene still blamed the healthy peer in 2 of 14 runs (a
-suspect: a header step aligned with the first sync after each PPO rollout, where arrival order differs).
+The header is what costs in the all_reduce path (encoding, decoding, the guard's votes: a few hundred µs of Python per
+step inside a learner's step, where the caches are cold, against a native all_reduce launch of ~150). Most steps repeat
+every field but the arrival stamps, so the slots are built again only when a field changed and decoded only when a
+rank's fields changed (``_header_slots``, ``_headers_arrived``: the fast path). It can also ride every Nth synchronized
+step only (``DSEC_HEADER_EVERY``, opt-in; default 1: every step, sync_header.DEFAULT_EVERY); the steps between
+all_reduce the bucket's own buffer in place, the way DDP's default hook does. Whether a step carries the header depends
+only on the agreed state (the count of synchronized steps since the last header and the agreed levels), so every rank
+decides the same. What N > 1 costs: level changes, group-snapshot agreement, replica fingerprints and the arrival stamps
+happen only at header steps (a directive takes effect up to N steps later); between them a rank's sync cost is estimated
+from its lag and wait at the last header (``_estimate_arrival``: its cost stays its own share, the straggler's punctual
+peers are not blamed for waiting; a straggler that recovers is seen at the next header). The byte paths (8/4 bits, mixed
+levels) carry the header at every step. Measured (docs/benchmarks.md): the probe's cost on a learner-sized step
+0.41-0.43% with N = 1 and the fast path (0.58% without it); N = 8 was the default for a few hours on 2026-12-03 and went
+back to opt-in: the demo's breaker scene still blamed the healthy peer in 2 of 14 runs (a suspect: a header step aligned
+with the first sync after each PPO rollout, where arrival order differs).
 
 Who is slow: an all_reduce ends at the same moment on every rank, so every rank's measured latency
 includes waiting for the slowest one and raw latency cannot name the straggler. The header therefore
@@ -135,6 +137,7 @@ class SyncCoordinator:
         self.steps = 0  # backward passes seen
         self.syncs = 0  # synchronized steps completed (identical on every rank)
         self._my_extras = (0, 0, 0)
+        self._no_stamps = [0.0] * self.world
         self.header_every = header_every
         self._reduce = self._reduce_path()  # this cycle's buckets go through one all_reduce (set at each cycle start)
         self._header_due = True  # this cycle's last bucket carries the header (agreed: identical on every rank)
@@ -155,17 +158,23 @@ class SyncCoordinator:
         # Settings the group agreed on from the last synced step's headers take effect now, on every
         # rank at once; then this rank declares what it wants next (carried by this cycle's headers).
         if self._seen is not None:
-            self.peer_bits = [b for b, _ in self._seen]
-            self.accum = max(a for _, a in self._seen)
+            if self._seen is not self._applied:  # (the header fast path hands over the same list again)
+                self.peer_bits = [b for b, _ in self._seen]
+                self.accum = max(a for _, a in self._seen)
+                self._applied = self._seen
             self._seen = None
         self.actuators.confirm(self.peer_bits[self.rank], self.accum)
-        self._reduce = self._reduce_path()  # the levels change only here
+        if self.peer_bits is not self._reduce_for:  # the levels change only here
+            self._reduce, self._reduce_for = self._reduce_path(), self.peer_bits
         self._header_due = not self._reduce or self._since_header >= self.header_every - 1
         if self._header_due:
             # Read only when a header will carry them: extras() hands over a pending fingerprint once.
             self._my_desired = self.actuators.declare()
             if self.guard is not None:
-                self._my_extras = self.guard.extras()
+                self._my_extras = self.guard.extras(self.syncs)
+
+    _applied: list[tuple[int, int]] | None = None  # the headers' (bits, accum) last taken into peer_bits / accum
+    _reduce_for: list[int] | None = None  # the peer_bits self._reduce was computed for
 
     def _reduce_path(self) -> bool:
         """Whether this cycle's buckets go through one all_reduce (every rank at 32 bits, or every rank at 16)."""
@@ -182,26 +191,58 @@ class SyncCoordinator:
             flags |= sh.Flag.JOIN_KNOWN
         return sh.Header(bits, min(accum, sh.MAX_ACCUM), stamp, int(flags), fp, hyper, admit & sh.MASK24)
 
-    def _slot_values(self, bits: int) -> list[float]:
-        """This rank's header fields as all_reduce slots, encoded again only when a field changed."""
-        h = self._my_header(0.0)
-        key = (h, self.world, bits)
+    def _header_slots(self, bits: int, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's header as all_reduce slots of the bucket's dtype, and a view of its stamp slot. Built again only
+        when a field changed (a level change, a fingerprint, a snapshot vote, every 8th sync's hyper-parameter digest);
+        between, the same tensor is reused with the stamp written in place (the cat copies it, so the next step may
+        write it again). A key of plain tuples: building the Header to compare cost more than the slots themselves."""
+        key = (self._my_desired, self._my_extras, bits, dtype, device)
         if self._slots_key != key:
-            self._slots_key, self._slots = key, sh.slot_values(h, self.rank, self.world, bits)
+            values = sh.slot_values(self._my_header(0.0), self.rank, self.world, bits)
+            slots = sh.slots_tensor(values, self.rank, bits, 0.0, dtype, device=device)
+            at = sh.SLOTS_PER_RANK[bits] * self.rank
+            self._slots_key, self._slots = key, (slots, slots[at : at + 1])
         return self._slots
 
     _slots_key: Any = None
-    _slots: list[float] = []
+    _slots: tuple[torch.Tensor, torch.Tensor]
+
+    def _headers_arrived(self, slots: torch.Tensor, bits: int, period_ms: float, latency_s: float) -> None:
+        """The summed header slots of an all_reduce step. Most steps every rank's fields are those of the step
+        before and only the arrival stamps are new: then the decoded headers, the agreed levels and the replica
+        guard's votes stand as they were (nothing a vote reads changed) and only the stamps are read — the full
+        decode and the guard's pass cost ~100 µs of Python per step on a learner (probe-overhead benchmark)."""
+        n = sh.SLOTS_PER_RANK[bits]
+        flat = slots.tolist()
+        stamps = flat[::n]
+        flat[::n] = self._no_stamps
+        if flat == self._fields_seen and self._seen_again is not None:
+            self._seen = self._seen_again
+            self._record_arrivals(stamps, period_ms, latency_s)
+            self._synced(None, unchanged=True)
+            return
+        headers = sh.decode_slots(slots, self.world, bits)
+        self._headers_seen(headers, period_ms, latency_s)
+        # Votes the guard counts once per header that carries them (a fingerprint is a check, a snapshot wish an
+        # agreement the step consumes): headers with one are decoded and read again, even if they repeat.
+        votes = sh.Flag.FINGERPRINT | sh.Flag.SNAPSHOT_WANTED
+        if not any(h.flags & votes for h in headers):
+            self._fields_seen, self._seen_again = flat, self._seen
+
+    _fields_seen: list[float] | None = None
+    _seen_again: list[tuple[int, int]] | None = None
 
     def _headers_seen(self, headers: list[sh.Header], period_ms: float | None, latency_s: float) -> None:
+        self._seen_again = None  # the fields _headers_arrived compares with are no longer the last ones read
         self._seen = [(h.bits, h.accum) for h in headers]
         self._record_arrivals([h.stamp for h in headers], period_ms, latency_s)
         self._synced(headers)
 
-    def _synced(self, headers: list[sh.Header] | None) -> None:
-        """One more synchronized step; the replica guard reads its headers (None: a step without a header)."""
+    def _synced(self, headers: list[sh.Header] | None, unchanged: bool = False) -> None:
+        """One more synchronized step; the replica guard reads its headers (None: a step without a header, or with
+        ``unchanged`` a header whose fields are those the guard read last)."""
         self.syncs += 1
-        if headers is None:
+        if headers is None and not unchanged:
             self._since_header += 1
             return
         since, self._since_header = self._since_header + 1, 0
@@ -268,7 +309,7 @@ class SyncCoordinator:
         lag = -min(deltas)  # how long after the earliest peer this rank arrived
         wait = max(deltas)  # how long it then waited for the latest one
         self._last_arrival = (lag, wait)
-        self._estimate_arrival(latency_s)
+        self.telemetry.record_arrival(lag, max(0.0, latency_s - wait) + lag)  # (what _estimate_arrival records)
 
     def _estimate_arrival(self, latency_s: float) -> None:
         """Record this step's lag and cost from the last header's lag and wait (at a header step: its own). A
@@ -326,14 +367,8 @@ class SyncCoordinator:
             send = send.clamp_(-FP16_MAX, FP16_MAX).to(torch.float16)
         period = sh.STAMP_PERIOD_MS[bits]
         if last:
-            header = sh.slots_tensor(
-                self._slot_values(bits),
-                self.rank,
-                bits,
-                sh.stamp_now_ms(time.time()),
-                send.dtype,
-                device=send.device,  # the bucket's (a GPU under NCCL)
-            )
+            header, stamp = self._header_slots(bits, send.dtype, send.device)  # the bucket's device (a GPU under NCCL)
+            stamp.fill_(sh.stamp_now_ms(time.time()) % period)
             send = torch.cat((send, header))
         nbytes = send.numel() * send.element_size()
         work = self._sum(send)
@@ -347,7 +382,7 @@ class SyncCoordinator:
                 raise
             latency = time.perf_counter() - start
             if last:
-                self._headers_seen(sh.decode_slots(send[n:], self.world, bits), period, latency)
+                self._headers_arrived(send[n:], bits, period, latency)
             if send is not buf:
                 buf.copy_(send[:n])
             self._finish(buf, last, nbytes, start)

@@ -32,6 +32,15 @@ def _as_list(values: Any) -> list[Any]:
     return out if type(out) is list else list(out)
 
 
+def _ndarray() -> Any:
+    """numpy's array type (gymnasium's own dependency), or a type no value has when numpy is missing."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - gymnasium requires numpy
+        return type("_NoArray", (), {})
+    return np.ndarray
+
+
 def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> str | None:
     """The first configured key marking this episode as interrupted (the reason), or None."""
     if not isinstance(info, dict):
@@ -118,6 +127,8 @@ def _flag() -> Iterator[None]:
 def _episode_monitor(wrapper_base: type, probe: Probe, keys: tuple[str, ...]) -> type:
     """gymnasium.Wrapper subclass counting one environment's steps and episodes for ``probe``."""
 
+    actuators = probe.actuators
+
     class EpisodeMonitor(wrapper_base):
         """Counts steps and episodes of one environment for the DSec probe."""
 
@@ -131,7 +142,8 @@ def _episode_monitor(wrapper_base: type, probe: Probe, keys: tuple[str, ...]) ->
             return self.env.reset(**kwargs)
 
         def step(self, action: Any) -> Any:
-            probe.wait_for_sampling()
+            if actuators.sampling_paused:
+                probe.wait_for_sampling()
             obs, reward, terminated, truncated, info = self.env.step(action)
             self._ret += float(reward)
             self._len += 1
@@ -150,6 +162,9 @@ def _episode_monitor(wrapper_base: type, probe: Probe, keys: tuple[str, ...]) ->
 
 def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ...]) -> type:
     """gymnasium.vector.VectorWrapper subclass counting a vector environment's steps and episodes for ``probe``."""
+
+    actuators = probe.actuators
+    ndarray = _ndarray()
 
     class VectorEpisodeMonitor(vector_base):
         """Counts steps and episodes of a vector environment, honouring its autoreset mode."""
@@ -175,10 +190,15 @@ def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ..
             return self.env.reset(**kwargs)
 
         def step(self, actions: Any) -> Any:
-            probe.wait_for_sampling()
+            if actuators.sampling_paused:  # (the check first: a call per env step costs microseconds)
+                probe.wait_for_sampling()
             obs, rewards, terminated, truncated, info = self.env.step(actions)
-            # Plain lists once per step: indexing numpy scalars per sub-environment cost microseconds each.
-            rew, term, trunc = _as_list(rewards), _as_list(terminated), _as_list(truncated)
+            # Plain lists once per step: indexing numpy scalars per sub-environment cost microseconds each (and
+            # numpy's own reductions more than these conversions, measured). gymnasium's vector envs return arrays.
+            if type(rewards) is ndarray and type(terminated) is ndarray and type(truncated) is ndarray:
+                rew, term, trunc = rewards.tolist(), terminated.tolist(), truncated.tolist()
+            else:
+                rew, term, trunc = _as_list(rewards), _as_list(terminated), _as_list(truncated)
             if not (self._any_resetting or any(term) or any(trunc)):
                 ret, length = self._ret, self._len
                 for i, r in enumerate(rew):

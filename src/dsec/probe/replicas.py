@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CHECK_EVERY = 100
+# The comm hook's header carries a digest of the optimizer hyper-parameters read once per this many synchronized
+# steps (ReplicaGuard.extras).
+HYPER_EVERY = 8
 _CHUNK = 1 << 20
 MASK24 = (1 << 24) - 1
 
@@ -166,6 +169,7 @@ class ReplicaGuard:
         self._hyper_reported: set[tuple[tuple[int, int], ...]] = set()
         self._hyper_key: Any = None
         self._hyper = 0
+        self._hyper_step: int | None = None  # the step the hyper-parameters were last read at (None: never, or no step)
 
     # -- what the guard covers --------------------------------------------------------------------------
     def add_module(self, module: Any) -> None:
@@ -203,8 +207,13 @@ class ReplicaGuard:
         except Exception:
             log.exception("dsec: replica fingerprint failed")
 
-    def extras(self) -> tuple[int, int, int]:
-        """(flags, fingerprint, hyper) for this rank's next header (called at the start of a sync cycle)."""
+    def extras(self, step: int | None = None) -> tuple[int, int, int]:
+        """(flags, fingerprint, hyper) for this rank's next header (called at the start of a sync cycle). ``step``:
+        the group's agreed count of synchronized steps; with it the optimizers' hyper-parameters are read once per
+        ``HYPER_EVERY`` steps (at the same steps on every rank, so their digests stay comparable; a mismatch is seen
+        up to that many steps later) — reading every value of every param group cost ~40 µs per step, and a
+        schedule that changes the learning rate every step would otherwise change the header at every step, which
+        the comm hook's fast path (ddp.py ``_headers_arrived``) needs not to."""
         flags = 0
         snaps = self.probe.snapshots
         if snaps is not None:
@@ -216,27 +225,34 @@ class ReplicaGuard:
         fp, self._pending_fp = self._pending_fp, None
         if fp is not None:
             flags |= Flag.FINGERPRINT
+        if step is not None and self._hyper_step is not None and step // HYPER_EVERY == self._hyper_step // HYPER_EVERY:
+            return int(flags), fp or 0, self._hyper
+        self._hyper_step = step
         try:
             opts = self.optimizers()
             key = _hyper_key(opts)
             if key != self._hyper_key:  # the digest (f-strings, blake2b) only when a value changed
                 self._hyper_key, self._hyper = key, hyper_digest(opts)
-            hyper = self._hyper
         except Exception:
-            hyper = 0
-        return int(flags), fp or 0, hyper
+            self._hyper_key, self._hyper = None, 0
+        return int(flags), fp or 0, self._hyper
 
     # -- after every synchronized step (any thread) -----------------------------------------------------------
-    def on_headers(self, headers: list[Header], rank: int, syncs: int, since: int = 1) -> None:
+    def on_headers(self, headers: list[Header] | None, rank: int, syncs: int, since: int = 1) -> None:
         """``headers`` by rank; a rank without ``Flag.PRESENT`` (dead, under healing) is left out of every vote.
+        None: every rank's fields are those of the previous call's headers, which carried no vote (no fingerprint,
+        no snapshot wanted) — the comm hook's fast path; only the fingerprint schedule moves on.
         ``since``: synchronized steps since the previous header (the comm hook may carry one every few steps only):
         a fingerprint is due when a multiple of ``check_every`` was passed in between."""
+        if self.check_every > 0 and syncs // self.check_every != (syncs - since) // self.check_every:
+            self._fp_due = True
+        if headers is None:
+            self.snapshot_agreed = False  # (what the previous headers, without a snapshot wish, gave)
+            return  # a hyper-parameter mismatch in them was reported when they were read
         present = {r: h for r, h in enumerate(headers) if h.has(Flag.PRESENT)}
         wanted = any(h.has(Flag.SNAPSHOT_WANTED) for h in present.values())
         busy = any(h.has(Flag.SNAPSHOT_BUSY) for h in present.values())
         self.snapshot_agreed = wanted and not busy
-        if self.check_every > 0 and syncs // self.check_every != (syncs - since) // self.check_every:
-            self._fp_due = True
         checked = {r: h.fingerprint for r, h in present.items() if h.has(Flag.FINGERPRINT)}
         if checked:
             self._judge(checked, rank, syncs)

@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 HEADER_BYTES = 32
 # The DDP comm hook's all_reduce path carries the header every Nth synchronized step (DSEC_HEADER_EVERY; ddp.py says
-# what N > 1 costs). Default 1: every step. N = 8 costs 0.35% of a learner-sized step (cnn benchmark) against 0.52%,
-# but with it the demo's breaker scene blamed the straggler's healthy peer in 2 of 14 runs (docs/benchmarks.md),
-# so it stays opt-in.
+# what N > 1 costs). Default 1: every step, which with the comm hook's header fast path costs 0.41-0.43% of a
+# learner-sized step (cnn benchmark; N = 8 was 0.35% before the fast path, and with it the demo's breaker scene
+# blamed the straggler's healthy peer in 2 of 14 runs, docs/benchmarks.md), so N > 1 stays opt-in.
 DEFAULT_EVERY = 1
 _STRUCT = struct.Struct("<iidIIII")  # bits, accum, stamp (s), flags, fingerprint, hyper, admit
 # Bits an element of the slot dtype holds exactly, and the stamp period (ms) it holds.
@@ -74,9 +74,17 @@ def _pieces(width: int, cap: int) -> int:
     return -(-width // cap)
 
 
-def slots_per_rank(bits: int) -> int:
+def _count_slots(bits: int) -> int:
     cap = SLOT_BITS[bits]
     return 1 + sum(_pieces(w, cap) for _, w in _WIDTHS)
+
+
+# Slots per rank by slot dtype, counted once: the comm hook reads it at every step (counting cost ~20 µs there).
+SLOTS_PER_RANK = {bits: _count_slots(bits) for bits in SLOT_BITS}
+
+
+def slots_per_rank(bits: int) -> int:
+    return SLOTS_PER_RANK[bits]
 
 
 # Per slot dtype: (field width, the shifts of its pieces), in slot order after the stamp. Computed once: the header
@@ -103,7 +111,7 @@ def slots_tensor(
     import torch
 
     values = values.copy()
-    values[slots_per_rank(bits) * rank] = stamp_ms % STAMP_PERIOD_MS[bits]
+    values[SLOTS_PER_RANK[bits] * rank] = stamp_ms % STAMP_PERIOD_MS[bits]
     # One tensor from a typed buffer (torch.zeros + torch.tensor + a slice assignment cost several times more).
     # (frombuffer keeps the array alive as long as the tensor; float32 holds every slot value exactly, and so does
     # float16 those of the 16-bit layout.)
@@ -114,7 +122,7 @@ def slot_values(h: Header, rank: int, world: int, bits: int) -> list[float]:
     """Every slot's value for this rank's header, its stamp slot left 0: what the comm hook can keep while the
     fields do not change (they change at a level change, a fingerprint, a snapshot vote; the stamp every step)."""
     mask = (1 << SLOT_BITS[bits]) - 1
-    n = slots_per_rank(bits)
+    n = SLOTS_PER_RANK[bits]
     values = [0.0] * (n * world)
     pos = n * rank
     fields = (h.bits, h.accum, h.flags, h.fingerprint, h.hyper, h.admit)  # the order of _WIDTHS
@@ -130,7 +138,7 @@ def slot_values(h: Header, rank: int, world: int, bits: int) -> list[float]:
 
 def decode_slots(slots: torch.Tensor, world: int, bits: int) -> list[Header]:
     """Every rank's header from the summed slots (stamps in ms, on the circle of ``STAMP_PERIOD_MS[bits]``)."""
-    n = slots_per_rank(bits)
+    n = SLOTS_PER_RANK[bits]
     flat = slots.tolist()  # float32 / float16 values are exact integers here (they hold no more bits)
     layout = _LAYOUT[bits]
     out = []

@@ -250,7 +250,12 @@ class TorchInstrumentation:
     # -- optimizer and accumulation gating --------------------------------------------------------------
     def accumulating(self) -> bool:
         """True while a gradient-accumulation cycle is open (the last backward did not synchronize)."""
-        return any(not c.last_backward_synced for c in self.coordinators)
+        # A loop, not any() over a generator (a generator's frame costs microseconds inside a training step, where
+        # this is called 2-3 times).
+        for c in self.coordinators:  # noqa: SIM110
+            if not c.last_backward_synced:
+                return True
+        return False
 
     def _gate(self, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
         inst = self

@@ -122,3 +122,40 @@ def test_interrupted_episodes_raise_a_stuck_alert(probe: Probe) -> None:
     assert rep is not None
     alerts = [e for e in rep._events if e["type"] == "anomaly"]
     assert alerts and alerts[0]["data"] == {"kind": "episode_stuck", "reason": "collision", "count": 3}
+
+
+def test_an_actor_env_waits_while_sampling_is_paused_and_steps_on_when_resumed() -> None:
+    import threading
+
+    cfg = ProbeConfig.from_env({"DSEC_ENDPOINT": "http://127.0.0.1:9", "DSEC_SANDBOX_ID": "p", "DSEC_ROLE": "actor"})
+    assert cfg is not None
+    p = Probe(cfg)
+    inst = GymInstrumentation(p)
+    inst.install(gym)
+    p.gym = inst
+    try:
+        envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
+        env = gym.make("CartPole-v1")
+        envs.reset(seed=0)
+        env.reset(seed=0)
+        p.actuators.handle({"version": 1, "async_sampling": False})
+        done = threading.Event()
+
+        def sample() -> None:
+            envs.step(np.zeros(2, dtype=np.int64))
+            env.step(0)
+            done.set()
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        assert not done.wait(0.5)  # paused: the step waits
+        assert p.telemetry.env_steps_total == 0
+        p.actuators.handle({"version": 2, "async_sampling": True})
+        assert done.wait(5.0)
+        t.join(5.0)
+        assert p.telemetry.env_steps_total == 3
+        envs.close()
+        env.close()
+    finally:
+        p.close()
+        p.uninstall()
