@@ -55,7 +55,7 @@ same values. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -75,9 +75,36 @@ def _check_nonneg(name: str, value: object, context: str = "") -> None:
         raise ValueError(f"{name}={value!r}{context} is invalid: expected a finite number >= 0")
 
 
-@dataclass(frozen=True)
+_INF = math.inf
+
+
+def _plain(w: WorkerMemory) -> bool:
+    """The common valid case of a WorkerMemory in one expression: a non-empty string id and every number a finite
+    float >= 0 (or None where None is allowed). Anything else goes through the field-by-field checks, which accept
+    the same values and name the field that fails. Every plan builds one per worker (the simulator: ~1.4 M an
+    hour at 10,000 workers), where the checks' loop and calls were a third of the planning time."""
+    u, c, p, lim = w.used_gb, w.ceiling_gb, w.recent_peak_gb, w.limit_gb
+    q, r = w.quota_gb, w.ramp_gb_per_s
+    return bool(
+        type(w.worker_id) is str
+        and w.worker_id
+        and type(q) is float
+        and 0.0 <= q < _INF
+        and type(r) is float
+        and 0.0 <= r < _INF
+        and (u is None or (type(u) is float and 0.0 <= u < _INF))
+        and (c is None or (type(c) is float and 0.0 <= c < _INF))
+        and (p is None or (type(p) is float and 0.0 <= p < _INF))
+        and (lim is None or (type(lim) is float and 0.0 <= lim < _INF))
+    )
+
+
+@dataclass(slots=True)
 class WorkerMemory:
-    """One worker's current quota and its last reported usage (None: no report yet)."""
+    """One worker's current quota and its last reported usage (None: no report yet). Not frozen (the plan never
+    changes its inputs; ``QuotaPlan.apply`` returns new ones): a frozen dataclass sets each field through
+    ``object.__setattr__``, 4x the cost of a slots class here (2.3 vs 0.55 µs), and every plan builds one per
+    worker."""
 
     worker_id: str
     used_gb: float | None
@@ -94,6 +121,8 @@ class WorkerMemory:
     bursting: bool = False
 
     def __post_init__(self) -> None:
+        if _plain(self):
+            return
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError(f"worker_id={self.worker_id!r} is invalid: expected a non-empty worker id")
         context = f" for worker {self.worker_id!r}"
@@ -209,7 +238,7 @@ def plan(
     workers = _checked(capacity_gb, base_gb, ceiling_gb, workers)
 
     quota = {w.worker_id: float(w.quota_gb) for w in workers}
-    notes: dict[str, list[str]] = {w.worker_id: [] for w in workers}
+    notes: dict[str, list[str]] = defaultdict(list)  # only workers with something to say get a list
 
     # (1) The guarantee and the cap hold whatever else happens.
     _clamp(workers, quota, notes, base_gb, ceiling_gb)
@@ -249,7 +278,7 @@ def plan(
     if usable is not None:
         card = float(device_gb) if device_gb else float(capacity_gb or 0.0)
         limit_changes = _limits(workers, quota, usable, card, ceiling_gb, config)
-    reasons = {wid: "; ".join(lines) for wid, lines in notes.items() if lines}
+    reasons = {w.worker_id: "; ".join(notes[w.worker_id]) for w in workers if notes.get(w.worker_id)}
     return QuotaPlan(
         changes=changes, over_ceiling=over_ceiling, accounting=accounting, reasons=reasons, limit_changes=limit_changes
     )
@@ -267,6 +296,8 @@ def _checked(
         raise ValueError(f"ceiling_gb={ceiling_gb!r} is invalid: expected >= base_gb ({base_gb:g})")
     workers = tuple(workers)
     ids = [w.worker_id for w in workers]
+    if len(set(ids)) == len(ids):
+        return workers
     duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)  # not ids.count: quadratic at 10k workers
     if duplicates:
         raise ValueError(f"worker_id={duplicates!r} appear more than once: expected one entry per worker")
