@@ -16,10 +16,13 @@ from collections import Counter
 from collections.abc import ItemsView, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.control.store import WorkerRow
 from dsec.model import Device, Directive, DirectiveFields, Pool, Role, WorkerInfo, WorkerState
+
+if TYPE_CHECKING:
+    from dsec.decide import WorkerView
 
 
 class AgedMetrics(Mapping[str, float]):
@@ -97,6 +100,10 @@ class LiveWorker:
     # event's version, requested value and reason. In memory only (the events stay in the store).
     unappliable: dict[str, dict[str, Any]] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    # The decision view built from this record and the parts it was built from (views.view_of).
+    view_cache: tuple[WorkerInfo, DirectiveFields, Mapping[str, float], WorkerState, WorkerView] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def pool(self) -> str:

@@ -185,3 +185,35 @@ async def test_a_breaker_directive_equal_to_the_one_in_force_gets_a_new_version(
         assert cp.state.workers[w.id].directive.fields.grad_accum_steps == 4
     finally:
         cp.close()
+
+
+async def test_a_workers_decision_view_is_kept_until_a_part_of_its_record_changes(
+    settings: Settings, stores: list[SqlStore]
+) -> None:
+    from dataclasses import replace
+
+    from dsec.control.views import view_of
+    from dsec.model import Role, WorkerState
+
+    clock = Clock()
+    cp = await start(settings, clock, stores)
+    try:
+        w = await new_worker(cp, clock)
+        await w.beat(CALM)
+        live = cp.state.workers[w.id]
+        first = view_of(live)
+        assert view_of(live) is first  # nothing changed: the same view
+        assert first.metrics["sync_latency_ms_p50"] == CALM
+        await w.beat(HOT)  # a beat swaps the metrics: a new view that sees them
+        second = view_of(live)
+        assert second is not first and second.metrics["sync_latency_ms_p50"] == HOT
+        # A directive change swaps the directive (as directives.py does), with no beat in between.
+        live.directive = replace(live.directive, fields=replace(live.directive.fields, compression_bits=4))
+        third = view_of(live)
+        assert third is not second and third.fields.compression_bits == 4
+        live.state = WorkerState.LOST
+        assert view_of(live).state is WorkerState.LOST
+        live.info = replace(live.info, role=Role.ACTOR)  # role inference swaps the info
+        assert view_of(live).role == "actor"
+    finally:
+        cp.close()
