@@ -4,7 +4,8 @@ fields are already in force."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,17 @@ async def start(settings: Settings, clock: Clock, stores: list[SqlStore]) -> Con
     store = open_store(settings.database_url)
     stores.append(store)
     return ControlPlane(settings, store, clock)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings, stores: list[SqlStore]) -> AsyncIterator[tuple[ControlPlane, Worker]]:
+    """A control plane on a virtual clock with one registered worker, closed on exit."""
+    clock = Clock()
+    cp = await start(settings, clock, stores)
+    try:
+        yield cp, await new_worker(cp, clock)
+    finally:
+        cp.close()
 
 
 async def new_worker(cp: ControlPlane, clock: Clock) -> Worker:
@@ -195,10 +207,7 @@ async def test_a_workers_decision_view_is_kept_until_a_part_of_its_record_change
     from dsec.control.views import view_of
     from dsec.model import Role, WorkerState
 
-    clock = Clock()
-    cp = await start(settings, clock, stores)
-    try:
-        w = await new_worker(cp, clock)
+    async with running_worker(settings, stores) as (cp, w):
         await w.beat(CALM)
         live = cp.state.workers[w.id]
         first = view_of(live)
@@ -215,5 +224,3 @@ async def test_a_workers_decision_view_is_kept_until_a_part_of_its_record_change
         assert view_of(live).state is WorkerState.LOST
         live.info = replace(live.info, role=Role.ACTOR)  # role inference swaps the info
         assert view_of(live).role == "actor"
-    finally:
-        cp.close()
