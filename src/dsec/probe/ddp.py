@@ -216,8 +216,9 @@ class SyncCoordinator:
         flat = slots.tolist()
         stamps = flat[::n]
         flat[::n] = self._no_stamps
-        if flat == self._fields_seen and self._seen_again is not None:
-            self._seen = self._seen_again
+        repeat = self._repeat
+        if repeat is not None and flat == repeat[0]:
+            self._seen = repeat[1]
             self._record_arrivals(stamps, period_ms, latency_s)
             self._synced(None, unchanged=True)
             return
@@ -227,13 +228,14 @@ class SyncCoordinator:
         # agreement the step consumes): headers with one are decoded and read again, even if they repeat.
         votes = sh.Flag.FINGERPRINT | sh.Flag.SNAPSHOT_WANTED
         if not any(h.flags & votes for h in headers):
-            self._fields_seen, self._seen_again = flat, self._seen
+            self._repeat = (flat, self._seen)
 
-    _fields_seen: list[float] | None = None
-    _seen_again: list[tuple[int, int]] | None = None
+    # The last headers read, when the next step may take their place: their fields without the stamps, and the
+    # (bits, accum) they gave. None once other headers were read since, or when they carried a vote.
+    _repeat: tuple[list[float], list[tuple[int, int]] | None] | None = None
 
     def _headers_seen(self, headers: list[sh.Header], period_ms: float | None, latency_s: float) -> None:
-        self._seen_again = None  # the fields _headers_arrived compares with are no longer the last ones read
+        self._repeat = None  # the fields _headers_arrived compares with are no longer the last ones read
         self._seen = [(h.bits, h.accum) for h in headers]
         self._record_arrivals([h.stamp for h in headers], period_ms, latency_s)
         self._synced(headers)
@@ -309,7 +311,7 @@ class SyncCoordinator:
         lag = -min(deltas)  # how long after the earliest peer this rank arrived
         wait = max(deltas)  # how long it then waited for the latest one
         self._last_arrival = (lag, wait)
-        self.telemetry.record_arrival(lag, max(0.0, latency_s - wait) + lag)  # (what _estimate_arrival records)
+        self._estimate_arrival(latency_s)
 
     def _estimate_arrival(self, latency_s: float) -> None:
         """Record this step's lag and cost from the last header's lag and wait (at a header step: its own). A

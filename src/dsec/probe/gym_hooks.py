@@ -32,15 +32,6 @@ def _as_list(values: Any) -> list[Any]:
     return out if type(out) is list else list(out)
 
 
-def _ndarray() -> Any:
-    """numpy's array type (gymnasium's own dependency), or a type no value has when numpy is missing."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - gymnasium requires numpy
-        return type("_NoArray", (), {})
-    return np.ndarray
-
-
 def _interrupted(info: Any, keys: Sequence[str], index: int | None = None) -> str | None:
     """The first configured key marking this episode as interrupted (the reason), or None."""
     if not isinstance(info, dict):
@@ -163,8 +154,9 @@ def _episode_monitor(wrapper_base: type, probe: Probe, keys: tuple[str, ...]) ->
 def _vector_episode_monitor(vector_base: type, probe: Probe, keys: tuple[str, ...]) -> type:
     """gymnasium.vector.VectorWrapper subclass counting a vector environment's steps and episodes for ``probe``."""
 
+    from numpy import ndarray  # (gymnasium's own dependency)
+
     actuators = probe.actuators
-    ndarray = _ndarray()
 
     class VectorEpisodeMonitor(vector_base):
         """Counts steps and episodes of a vector environment, honouring its autoreset mode."""

@@ -312,7 +312,7 @@ def test_the_fast_path_decides_what_a_full_decode_decides(one_rank_group: None, 
             fast[0]._headers_arrived(slots.clone(), 32, period, latency)
         finally:
             sh.decode_slots = real_decode  # type: ignore[assignment]
-        full[0]._seen_again = None  # the reference always decodes and reads every header
+        full[0]._repeat = None  # the reference always decodes and reads every header
         full[0]._headers_arrived(slots.clone(), 32, period, latency)
         assert _state(*fast) == _state(*full), f"step {step}"
         # What the optimizer hook does after each step: consume the group snapshot agreement and take a due
