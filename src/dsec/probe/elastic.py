@@ -231,11 +231,26 @@ class ElasticGroup:
             self._last = (self.completed, p.op.result())
             self.completed += 1
             if p.op.sig is not None:
-                was = self._journal is not None and self.seq.confirmed()
-                self.seq.add(p.op.sig)
-                if was and not self.seq.confirmed():
-                    self.journal(f"period lost at {self.seq.count - 1}: {p.op.sig} (pattern {self.seq.prefix[:16]})")
+                if self._journal is None:
+                    self.seq.add(p.op.sig)
+                else:
+                    self._add_journaled(p.op.sig)
         p.fut.set_result(value)
+
+    def _add_journaled(self, sig: str) -> None:
+        """``seq.add`` with a journal line for every change of the period and of its confirmation: a group that
+        finds no admission point must say when and at which collective its sequence stopped repeating."""
+        seq = self.seq
+        was, period = seq.confirmed(), seq.period
+        seq.add(sig)
+        n = seq.count - 1
+        if was and not seq.confirmed():
+            self.journal(f"period lost at {n}: {sig} (pattern {seq.prefix[:16]})")
+        elif seq.period != period:
+            tail = seq.prefix[max(0, n - 3) : n + 1] if n < len(seq.prefix) else [sig]
+            self.journal(f"period {period} -> {seq.period} at {n}: {sig} (last {tail})")
+        elif seq.confirmed() and not was:
+            self.journal(f"period {seq.period} confirmed at {n}")
 
     # -- watch thread -----------------------------------------------------------------------------------------
     def _watch_loop(self) -> None:

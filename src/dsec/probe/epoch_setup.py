@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -81,13 +82,47 @@ def open_journal() -> TextIO | None:
 
 
 def journal_tails(directory: Path, lines: int) -> list[tuple[str, list[str]]]:
-    """Each journal file under ``directory`` (by name) with its last ``lines`` lines other than per-op ``issue``
-    lines: the views, admission votes, arming and lost periods that say why a replacement was not admitted."""
+    """Each journal file under ``directory`` (by name) with its lines about the period of the script's sequence
+    (found, confirmed, lost: the last few) and then its last ``lines`` lines other than per-op ``issue`` lines —
+    the views, admission votes, arming — with a run of lines that differ only in their numbers (a member saying
+    "no admission point" at every collective) shown as its first and last line and a count: what says why a
+    replacement was not admitted has to fit in a failed test's output."""
     out = []
     for path in sorted(directory.glob("*.log")):
         kept = [ln for ln in path.read_text(errors="replace").splitlines() if " issue " not in ln]
-        out.append((path.name, kept[-lines:]))
+        periods = [ln for ln in kept if " period " in ln and "no admission point" not in ln][-PERIOD_LINES:]
+        tail = _collapse(kept)[-lines:]
+        out.append((path.name, [ln for ln in periods if ln not in tail] + tail))
     return out
+
+
+PERIOD_LINES = 3  # the period lines journal_tails keeps ahead of the tail
+
+
+def _collapse(lines: list[str]) -> list[str]:
+    """Runs of lines equal but for their numbers -> the run's first line, "(N more)", its last line."""
+    out: list[str] = []
+    run: list[str] = []
+
+    def close() -> None:
+        out.append(run[0])
+        if len(run) > 2:
+            out.append(f"({len(run) - 2} more like it)")
+        if len(run) > 1:
+            out.append(run[-1])
+
+    for ln in lines:
+        if run and _shape(ln) != _shape(run[0]):
+            close()
+            run = []
+        run.append(ln)
+    if run:
+        close()
+    return out
+
+
+def _shape(line: str) -> str:
+    return re.sub(r"[0-9.]+", "#", line)
 
 
 def sequence_counters(plan: Plan, seq: Sequence, seniority: dict[int, int]) -> dict[str, Any]:

@@ -100,6 +100,52 @@ def test_journal_tails_keep_the_last_lines_other_than_per_op_issues(tmp_path: An
     assert epoch_setup.journal_tails(tmp_path / "absent", 5) == []
 
 
+def test_journal_tails_keep_the_period_lines_and_collapse_repeats(tmp_path: Any) -> None:
+    """A survivor that finds no admission point journals that at every collective: the tail must still show when its
+    period was lost (earlier in the file) and what came before the repeats."""
+    from dsec.probe import epoch_setup
+
+    lines = ["1.0 period 1 -> 33 at 32: all_reduce:float64:sum (last ['grad']) r0", "1.1 period 33 confirmed at 97 r0"]
+    lines += [
+        "1.2 view v1 e2 stable joiners [1] here e2 join_known True r0",
+        "1.3 period lost at 400: grad (pattern) r0",
+    ]
+    lines += [f"2.{i} no admission point: period None count {7000 + i} r0" for i in range(50)]
+    (tmp_path / "ops-1.log").write_text("\n".join(lines) + "\n")
+    ((_, kept),) = epoch_setup.journal_tails(tmp_path, 4)
+    assert kept == [
+        lines[0],
+        lines[1],
+        lines[3],
+        "2.0 no admission point: period None count 7000 r0",
+        "(48 more like it)",
+        "2.49 no admission point: period None count 7049 r0",
+    ]
+    ((_, kept),) = epoch_setup.journal_tails(tmp_path, 6)  # a period line inside the tail is not repeated
+    assert kept[:4] == lines[:4] and len(kept) == 7
+
+
+def test_a_journaling_member_says_when_its_period_changes(tmp_path: Any) -> None:
+    import io
+
+    g = _group("journal-period")
+    try:
+        g._journal = io.StringIO()  # type: ignore[assignment]
+        loop = ["grad"] * 32 + ["all_reduce:float64:sum"]
+        for sig in loop * 4 + ["broadcast:float32"]:
+            g._add_journaled(sig)
+        said = [ln.split(" ", 1)[1] for ln in g._journal.getvalue().splitlines()]  # type: ignore[attr-defined]
+        assert said == [
+            "period None -> 1 at 0: grad (last ['grad']) r0",
+            "period 1 -> 33 at 32: all_reduce:float64:sum (last ['grad', 'grad', 'grad', 'all_reduce:float64:sum']) r0",
+            "period 33 confirmed at 96 r0",
+            "period lost at 132: broadcast:float32 (pattern " + str(loop[:16]) + ") r0",
+        ]
+        assert g.seq.period is None and g.seq.count == 133
+    finally:
+        g.close(leave=False)
+
+
 def test_an_epoch_reported_broken_while_it_is_set_up_is_given_up_at_once() -> None:
     """A member of the plan dies before the rendezvous: gloo's setup would wait for it (here up to the 10 s timeout;
     in a full test run a survivor waited minutes). The watch says the epoch is broken: the setup gives up within
