@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dsec.model import DeviceHealth
+from dsec.model import Device, DeviceHealth
 from dsec.scheduler.inventory import Inventory
 from dsec.scheduler.profiles import LOAD_CLASSES, Profiles
 
@@ -311,12 +311,23 @@ def _place_group(
         return None
     left = list(candidates)
     placed: list[Assignment] = []
+    devices = inventory.devices
     # Per group, not per (worker, device): a device's learned risk for the group's load class, and per worker its
     # affinity to each device model. Placing 16 workers over hundreds of candidates asked Profiles millions of times.
     risk = {d: profiles.device_risk(d, group.load_class) for d in [*candidates, *pinned.values()]}
     counter = {"learner": "actor", "actor": "learner"}
     node_term = weights.node if one_node else 0.0
     nvlink = bool(group.replay_share)
+    no_numa = weights.numa * 0.0
+    # What a candidate's score reads of its device, once per group: the device, its (node, NUMA node) key (None:
+    # no NUMA node, which scores 0), its model, the memory already used on it, and its probation term. The loop
+    # below then scores a candidate in a few operations (placing 10,000 workers scored ~8 M candidates).
+    facts: dict[str, tuple[Device, tuple[str, int] | None, str, float, float, float, float]] = {}
+    for d in [*candidates, *pinned.values()]:
+        dev = devices[d]
+        where = (dev.node, dev.numa_node) if dev.numa_node >= 0 else None
+        probation = -weights.state if dev.health is DeviceHealth.PROBATION else 0.0
+        facts[d] = (dev, where, dev.model, dev.memory_gb, used.get(d, 0.0), -risk[d], probation)
     for w in _order(group):
         key = w.key or f"{group.name}/{w.name}"
         affinity: dict[str, float] = {}
@@ -325,33 +336,35 @@ def _place_group(
         for p in placed:
             if p.role == counter.get(w.role) and p.numa_node >= 0:
                 partners[(p.node, p.numa_node)] = partners.get((p.node, p.numa_node), 0.0) + 1.0
-        # Each candidate's terms as a tuple (in _TERMS order): a dict per candidate cost more than the scoring.
-        best: tuple[float, str, tuple[float, ...]] | None = None
-        for d in [pinned[w.name]] if w.name in pinned else left:
-            dev = inventory.devices[d]
-            if w.name not in pinned and dev.memory_gb and used.get(d, 0.0) + w.memory_gb > dev.memory_gb:
+        pin = pinned.get(w.name)
+        need = w.memory_gb
+        # The best candidate: the first with the highest score (terms summed in _TERMS order, as the Assignment
+        # records them).
+        best_score = 0.0
+        best: str | None = None
+        for d in [pin] if pin is not None else left:
+            dev, where, model, memory, in_use, neg_risk, probation = facts[d]
+            if pin is None and memory and in_use + need > memory:
                 continue  # (a pinned worker runs there already: its memory is in use, not asked for)
-            if dev.model not in affinity:
-                affinity[dev.model] = profiles.worker_model_affinity(key, dev.model)
-            values: tuple[float, ...] = (
-                weights.state * (-risk[d] + affinity[dev.model]),
-                weights.numa * (partners.get((dev.node, dev.numa_node), 0.0) if dev.numa_node >= 0 else 0.0),
-                weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0,
-                node_term,
-                # On probation after a degradation: placeable (it must prove itself), but last in line.
-                -weights.state if dev.health is DeviceHealth.PROBATION else 0.0,
-            )
-            score = sum(values)
-            if best is None or score > best[0] + 1e-12:
-                best = (score, d, values)
+            aff = affinity.get(model)
+            if aff is None:
+                aff = affinity[model] = profiles.worker_model_affinity(key, model)
+            numa = weights.numa * partners.get(where, 0.0) if where is not None and partners else no_numa
+            nvl = weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0
+            score = weights.state * (neg_risk + aff) + numa + nvl + node_term + probation
+            if best is None or score > best_score + 1e-12:
+                best_score, best = score, d
         if best is None:
             return None
-        _, d, values = best
+        d = best
+        dev, where, model, _, _, neg_risk, probation = facts[d]
+        numa = weights.numa * partners.get(where, 0.0) if where is not None and partners else no_numa
+        nvl = weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0
+        values = (weights.state * (neg_risk + affinity[model]), numa, nvl, node_term, probation)
         terms = dict(zip(_TERMS, values, strict=True))
-        dev = inventory.devices[d]
         node = inventory.nodes.get(dev.node)
         cpus = node.cpus_for(dev.numa_node) if node else ()
         placed.append(Assignment(w.name, group.name, w.role, d, dev.node, dev.numa_node, cpus, terms))
-        if w.name not in pinned:
+        if pin is None:
             left.remove(d)
     return placed
