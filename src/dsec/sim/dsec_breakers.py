@@ -38,6 +38,7 @@ class BreakerPass(Regime):
     def _attach_breakers(self, sim: Simulation) -> None:
         self.breakers: dict[int, Breaker] = {}
         self._thresholds: dict[tuple[float | None, ...], tuple[PoolThresholds, float | None]] = {}
+        self._plain_caps: dict[tuple[float | None, ...], Caps] = {}
         self.closed = np.ones(sim.N, dtype=bool)  # no breaker yet, or its phase is CLOSED
         self.ring_len = self.breaker_config.min_samples + 2  # covers the breaker's window (inclusive bounds)
         self.ring_k = np.full(self.ring_len, -1, dtype=np.int64)
@@ -70,6 +71,16 @@ class BreakerPass(Regime):
             self.knobs[(pool, "bandwidth_cap_mbps")],
             self.knobs[(pool, "memory_ceiling_gb")],
         )
+        if latency_floor_ms is None:
+            # The plain caps (most groups, every sample) once per distinct knob values: caps_for is pure and Caps
+            # frozen, so one value serves every group with those knobs.
+            plain = self._plain_caps.get(knobs)
+            if plain is None:
+                plain = self._plain_caps[knobs] = self._caps_from(knobs, None)
+            return plain
+        return self._caps_from(knobs, latency_floor_ms)
+
+    def _caps_from(self, knobs: tuple[float | None, ...], latency_floor_ms: float | None) -> Caps:
         made = self._thresholds.get(knobs)
         if made is None:  # built once per distinct knob values (policies change them rarely)
             lat, bw, ceiling = knobs
