@@ -112,7 +112,7 @@ class BreakerPass(Regime):
         self.ring_run[slot] = False
         self.ring_run[slot, run] = True
         self.ring_bw[slot, run], self.ring_lat[slot, run], self.ring_mem[slot, run] = bw, lat, m
-        caps_of = self._caps_in_force(np.unique(groups), latency_ms)
+        caps_of = self._caps_in_force(np.flatnonzero(np.bincount(groups, minlength=sim.G)), latency_ms)  # np.unique
         if self.reference:
             need = np.ones(len(run), dtype=bool)
         else:

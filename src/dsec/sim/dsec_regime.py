@@ -230,8 +230,9 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         assert self.engine is not None
         running = sim.status[sim.group_of] == RUN
         gauges: dict[str, PoolGauges] = {}
+        n = sim.n
         for g, pool in enumerate(self.pool_names):
-            ws = sim.workers_of(g)
+            ws = slice(g * n, (g + 1) * n)  # sim.workers_of(g) as a slice: numpy views, not a gather per array
             active = running[ws]
             q = self.quota[ws]
             used = mem[ws]
