@@ -334,19 +334,22 @@ def _limits(
     # path's job (the breaker's memory cap sits below the limit), not a wall at the grant.
     held = {w.worker_id: w.used_gb if w.used_gb is not None else quota[w.worker_id] for w in workers}
     total_held = math.fsum(held.values())
+    hysteresis = config.step_gb - _EPS
     for w in workers:
-        if w.used_gb is None:  # no report: nothing to size a limit by; the grant caps it, as before limits
+        used = w.used_gb  # what it holds (held[w.worker_id]) when it reports
+        if used is None:  # no report: nothing to size a limit by; the grant caps it, as before limits
             continue
-        limit = min(card, max(quota[w.worker_id], usable - (total_held - held[w.worker_id])))
-        own = ceiling_gb if w.ceiling_gb is None else min(ceiling_gb, w.ceiling_gb)
+        q = quota[w.worker_id]
+        limit = min(card, max(q, usable - (total_held - used)))
         if not w.bursting or w.ceiling_gb is not None:
             # Past the ceiling only for a burst: a slow leak stops there (fails early, alone, and placement
             # learns its card); a ceiling lowered for this worker (stuck episodes) is a hard bound.
-            limit = min(limit, max(quota[w.worker_id], own))
+            own = ceiling_gb if w.ceiling_gb is None else min(ceiling_gb, w.ceiling_gb)
+            limit = min(limit, max(q, own))
         old = w.limit_gb
         # One step of hysteresis both ways: a limit follows every neighbour's usage, and a directive per
         # wobble would churn versions (and the acks the breaker's directives wait for). A limit may thus
         # run up to a step above what is free; a full card is then handled as without quotas.
-        if old is None or abs(limit - old) >= config.step_gb - _EPS or old < quota[w.worker_id]:
+        if old is None or abs(limit - old) >= hysteresis or old < q:
             limit_changes[w.worker_id] = limit
     return limit_changes

@@ -107,18 +107,13 @@ class QuotaPass(Regime):
         if len(ws_all):
             # The plans' inputs as Python values, converted once for all cards (a plan changes only its own
             # card's workers, so reading them all up front reads what each plan would have read).
-            cols = (
-                ws_all.tolist(),
-                mem[ws_all].tolist(),
-                self.quota[ws_all].tolist(),
-                self.trend[2][ws_all].tolist(),
-                self.trend[3][ws_all].tolist(),
-                self.limit[ws_all].tolist(),
-                burst_now[ws_all].tolist(),
-            )
+            ws_l, mem_l, quota_l = ws_all.tolist(), mem[ws_all].tolist(), self.quota[ws_all].tolist()
+            ramp_l, peak_l = self.trend[2][ws_all].tolist(), self.trend[3][ws_all].tolist()
+            limit_l, burst_l = self.limit[ws_all].tolist(), burst_now[ws_all].tolist()
             bounds = [0, *(np.flatnonzero(np.diff(card_d)) + 1).tolist(), len(ws_all)]
             for lo, hi in itertools.pairwise(bounds):
-                self._plan_card(*(c[lo:hi] for c in cols))
+                self._plan_card(ws_l[lo:hi], mem_l[lo:hi], quota_l[lo:hi], ramp_l[lo:hi], peak_l[lo:hi],
+                                limit_l[lo:hi], burst_l[lo:hi])  # fmt: skip
         self.plan_mem[run] = mem[run]
         self.plan_quota[run] = inputs
         self.plan_limit[run] = limits_in
