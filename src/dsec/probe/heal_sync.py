@@ -79,17 +79,25 @@ class HealingSync(SyncCoordinator):
         grads = [self._grads[i] for i in sorted(self._grads)]
         op = GradSyncOp(self, grads, self._bufs, self._futs, tuple(sorted(self._grads)))
         self._bufs, self._futs, self._grads = [], [], {}
-        futs = op.futs
+        bufs, futs = op.bufs, op.futs
 
-        def failed(f: Any) -> None:
+        def done(f: Any) -> None:
+            # DDP's backward is released here, when the group's future completes: after the op is recorded in the
+            # group's sequence of collectives (ElasticGroup._complete). Released from finish() instead, the training
+            # thread could issue, complete and record its next collective first (a lone survivor's ops complete at
+            # once) and the sequence would lose its period: no admission point for a replacement.
             try:
                 f.value()
             except Exception as exc:
                 for bf in futs:
                     if not bf.done():
                         bf.set_exception(exc)
+                return
+            for buf, bf in zip(bufs, futs, strict=True):
+                if not bf.done():
+                    bf.set_result(buf)
 
-        self.elastic.submit(op).then(failed)
+        self.elastic.submit(op).then(done)
         return fut
 
     def headers_seen(self, headers: list[sh.Header], latency_s: float, period_ms: float | None) -> None:
@@ -241,7 +249,4 @@ class GradSyncOp:
         c.telemetry.record_sync(nbytes, latency, True, last=True)  # the step's one collective: its wait
         c.grad_norm = c._grad_sq**0.5
         c._grad_sq = 0.0
-        for buf, fut in zip(self.bufs, self.futs, strict=True):
-            if not fut.done():
-                fut.set_result(buf)
-        return None
+        return None  # the bucket futures are completed once the group has recorded this op (HealingSync.hook)

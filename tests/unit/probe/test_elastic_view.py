@@ -176,3 +176,65 @@ def test_an_epoch_reported_broken_while_it_is_set_up_is_given_up_at_once() -> No
             if t.name == "dsec-heal-setup-e2":
                 t.join(10.0)
                 assert not t.is_alive()
+
+
+def test_ddp_is_released_from_a_healing_sync_only_after_the_group_recorded_it(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gradient sync's bucket futures (what DDP's backward waits for) complete after the op is in the group's
+    sequence of collectives. Released earlier (from the op's finish(), as before), the training thread could issue,
+    complete and record its next collective first — a lone survivor's ops complete at once — and the sequence lost
+    its period: a replacement found no admission point (the demo's intermittent healing failure)."""
+    import torch
+
+    from dsec.probe import heal_sync
+    from dsec.probe.actuators import Actuators
+    from dsec.probe.telemetry import Telemetry
+    from dsec.probe.torch_targets import unannotated
+
+    events: list[tuple[str, Any]] = []  # (what, the future released or the sequence's count after recording)
+
+    class Logged(torch.futures.Future):  # type: ignore[type-arg]
+        def __class_getitem__(cls, item: Any) -> Any:  # (annotations subscript the future type)
+            return cls
+
+        def set_result(self, result: Any) -> None:
+            events.append(("released", self))
+            super().set_result(result)
+
+    g = _group("release-after-record")
+    try:
+        g._adopt(_plan(g, 1, "start"), None)
+        add = g.seq.add
+
+        def recorded(sig: str) -> None:
+            add(sig)
+            events.append(("recorded", g.seq.count))
+
+        g.seq.add = recorded  # type: ignore[method-assign]
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+        params = list(model.parameters())
+        sync = heal_sync.HealingSync(Actuators(default_bits=32), Telemetry(), elastic=g, params=params)
+        bucket_futures: list[Any] = []
+
+        def hook(state: object, bucket: Any) -> Any:
+            fut = sync.hook(state, bucket)
+            bucket_futures.append(fut)
+            return fut
+
+        model.register_comm_hook(None, unannotated(hook))
+        monkeypatch.setattr(torch.futures, "Future", Logged)  # the hook's bucket futures (and the group's own)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+        assert g.seq.count == 3 and len(bucket_futures) == 3
+        order = [
+            e if e[0] == "recorded" else ("released", bucket_futures.index(e[1]))
+            for e in events
+            if e[0] == "recorded" or any(e[1] is f for f in bucket_futures)
+        ]
+        # Each step's sync is recorded (count 1, 2, 3) before its bucket future (0, 1, 2) releases DDP.
+        assert order == [("recorded", 1), ("released", 0), ("recorded", 2), ("released", 1), ("recorded", 3),
+                         ("released", 2)]  # fmt: skip
+    finally:
+        g.close(leave=False)
