@@ -326,6 +326,7 @@ def _place_group(
     for d in [*candidates, *pinned.values()]:
         dev = devices[d]
         where = (dev.node, dev.numa_node) if dev.numa_node >= 0 else None
+        # On probation after a degradation: placeable (it must prove itself), but last in line.
         probation = -weights.state if dev.health is DeviceHealth.PROBATION else 0.0
         facts[d] = (dev, where, dev.model, dev.memory_gb, used.get(d, 0.0), -risk[d], probation)
     for w in _order(group):
@@ -341,7 +342,7 @@ def _place_group(
         # The best candidate: the first with the highest score (terms summed in _TERMS order, as the Assignment
         # records them).
         best_score = 0.0
-        best: str | None = None
+        best: tuple[str, tuple[float, ...]] | None = None  # (device, its terms), kept only when it leads
         for d in [pin] if pin is not None else left:
             dev, where, model, memory, in_use, neg_risk, probation = facts[d]
             if pin is None and memory and in_use + need > memory:
@@ -349,18 +350,16 @@ def _place_group(
             aff = affinity.get(model)
             if aff is None:
                 aff = affinity[model] = profiles.worker_model_affinity(key, model)
+            state = weights.state * (neg_risk + aff)
             numa = weights.numa * partners.get(where, 0.0) if where is not None and partners else no_numa
             nvl = weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0
-            score = weights.state * (neg_risk + aff) + numa + nvl + node_term + probation
+            score = state + numa + nvl + node_term + probation
             if best is None or score > best_score + 1e-12:
-                best_score, best = score, d
+                best_score, best = score, (d, (state, numa, nvl, node_term, probation))
         if best is None:
             return None
-        d = best
-        dev, where, model, _, _, neg_risk, probation = facts[d]
-        numa = weights.numa * partners.get(where, 0.0) if where is not None and partners else no_numa
-        nvl = weights.nvlink * sum(1.0 for p in placed if inventory.nvlinked(p.device, d)) if nvlink else 0.0
-        values = (weights.state * (neg_risk + affinity[model]), numa, nvl, node_term, probation)
+        d, values = best
+        dev = facts[d][0]
         terms = dict(zip(_TERMS, values, strict=True))
         node = inventory.nodes.get(dev.node)
         cpus = node.cpus_for(dev.numa_node) if node else ()
