@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dsec.control.store import WorkerRow
+from dsec.control.store import HotRow, WorkerRow
 from dsec.model import Device, Directive, DirectiveFields, Pool, Role, WorkerInfo, WorkerState
 
 if TYPE_CHECKING:
@@ -143,6 +143,10 @@ class LiveWorker:
             metrics=dict(self.metrics),
         )
 
+    def hot_row(self) -> HotRow:
+        """What a beat without events changed of the stored row (the metrics are immutable: no copy here)."""
+        return HotRow(self.id, self.last_beat_at, self.last_seq, self.acked_version, self.beats, self.metrics)
+
     @classmethod
     def from_row(cls, row: WorkerRow, directive: Directive) -> LiveWorker:
         return cls(
@@ -254,14 +258,15 @@ class HotState:
                     if self._writing[wid] <= 0:
                         del self._writing[wid]
 
-    def take_dirty(self) -> list[WorkerRow]:
-        """Rows to write back now; the caller re-marks them with ``mark_dirty`` if the write fails. Workers a request
-        is writing stay dirty for the next flush (``writing``)."""
+    def take_dirty(self) -> list[HotRow]:
+        """What beats changed, to write back now; the caller re-marks them with ``mark_dirty`` if the write fails.
+        Workers a request is writing stay dirty for the next flush (``writing``)."""
         with self._lock:
             ids, self._dirty = self._dirty, set()
             held = ids & self._writing.keys() if self._writing else set()  # keys: counts > 0 only
             self._dirty |= held
-        return [self.workers[i].row() for i in ids - held if i in self.workers]
+        workers = self.workers
+        return [workers[i].hot_row() for i in ids - held if i in workers]
 
     def directive_for_new_worker(self, worker_id: str, pool: Pool, now: float) -> Directive:
         return Directive(worker_id=worker_id, version=1, fields=DirectiveFields.for_pool(pool), updated_at=now)

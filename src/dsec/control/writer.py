@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dsec.control.store import PlacementRow, Store, StoreConflict, WorkerRow, WriteBatch
+from dsec.control.store import HotRow, PlacementRow, Store, StoreConflict, WorkerRow, WriteBatch
 from dsec.model import Pool
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class GroupCommitWriter:
     def __init__(
         self,
         store: Store,
-        take_dirty: Callable[[], list[WorkerRow]],
+        take_dirty: Callable[[], list[HotRow]],
         mark_dirty: Callable[..., None],
         flush_interval_s: float = 0.25,
         max_batch: int = 2000,
@@ -158,7 +158,7 @@ class GroupCommitWriter:
             items, stopped = self._drain(None)
             stop = stop or stopped
 
-    def _commit(self, items: list[tuple[WriteBatch, Future[list[int]]]], dirty: list[WorkerRow]) -> bool:
+    def _commit(self, items: list[tuple[WriteBatch, Future[list[int]]]], dirty: list[HotRow]) -> bool:
         """One transaction of ``items`` and the hot rows ``dirty``; False when the rows were not written (they are
         marked dirty again: the next flush retries them)."""
         if not items and not dirty:
@@ -181,7 +181,12 @@ class GroupCommitWriter:
             if merged is None:
                 log.error("a write batch could not be merged (%d requests)", len(items), exc_info=exc)
             else:
-                log.warning("store write failed (%d rows, %d requests): %s", len(merged.workers), len(items), exc)
+                log.warning(
+                    "store write failed (%d rows, %d requests): %s",
+                    len(merged.workers) + len(merged.hot),
+                    len(items),
+                    exc,
+                )
             for _, fut in items:
                 fut.set_exception(exc)
             return False
@@ -208,18 +213,21 @@ class GroupCommitWriter:
         self.close()
 
 
-def merge_batches(dirty: list[WorkerRow], batches: list[WriteBatch]) -> WriteBatch:
+def merge_batches(dirty: list[HotRow], batches: list[WriteBatch]) -> WriteBatch:
     """Requests' batches (in submission order) and the dirty hot rows as one batch.
 
-    One row per worker, the newest state winning: a request's own row (not yet applied to the hot state) is newer
-    than the dirty copy taken from it. Pools and placements keep only their last change (an upsert or a deletion),
-    so a pool deleted and re-created by two requests of the same transaction ends up re-created."""
-    rows = {w.id: w for w in dirty}
+    A request's own row of a worker (not yet applied to the hot state) is newer than the dirty copy taken from it, so
+    a worker with a row in a request is not written back from its copy; nor is a worker a request deletes. Pools and
+    placements keep only their last change (an upsert or a deletion), so a pool deleted and re-created by two
+    requests of the same transaction ends up re-created."""
+    rows: dict[str, WorkerRow] = {}
+    hot = {h.id: h for h in dirty}
     merged = WriteBatch()
     pools: dict[str, tuple[Pool, float] | None] = {}
     placements: dict[str, PlacementRow | None] = {}
     for batch in batches:
         rows.update((w.id, w) for w in batch.workers)
+        hot.update((h.id, h) for h in batch.hot)
         merged.directives.extend(batch.directives)
         merged.events.extend(batch.events)
         merged.deleted_workers.extend(batch.deleted_workers)
@@ -232,6 +240,7 @@ def merge_batches(dirty: list[WorkerRow], batches: list[WriteBatch]) -> WriteBat
     # A deleted worker's row must not be written back by the same transaction.
     gone = set(merged.deleted_workers)
     merged.workers = [w for w in rows.values() if w.id not in gone]
+    merged.hot = [h for h in hot.values() if h.id not in gone and h.id not in rows]
     merged.directives = [d for d in merged.directives if d.worker_id not in gone]
     merged.pools = [p for p in pools.values() if p is not None]
     merged.deleted_pools = [name for name, p in pools.items() if p is None]

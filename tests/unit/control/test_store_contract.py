@@ -17,6 +17,7 @@ import pytest
 from dsec.control.server import free_port
 from dsec.control.store import (
     EventQuery,
+    HotRow,
     PlacementRow,
     PolicyRow,
     RuntimeRow,
@@ -200,6 +201,21 @@ class TestStoreContract:
         assert len(rows) == 2
         assert rows["w-1"] == w2
         assert dict(rows["w-1"].info) == dict(w.info)
+
+    def test_hot_rows_write_the_beat_columns_of_existing_workers_only(self, store: Store) -> None:
+        w = worker_row(metrics={"loss": 0.5}, state="lost")
+        store.write(WriteBatch(workers=[w, worker_row("w-0")]))
+        beat = HotRow("w-1", T0 + 7.25, 2**62, 3, 2**40, {"loss": 0.25, "sync_ms": 12.5, "nan": float("nan")})
+        gone = HotRow("w-9", T0, 1, 1, 1, {"x": 1.0})  # no such row (forgotten): nothing is written for it
+        store.write(WriteBatch(hot=[beat, gone]))
+        rows = {r.id: r for r in store.list_workers()}
+        assert set(rows) == {"w-0", "w-1"}
+        # The beat's columns; the rest of the row (state, info, token) as the last whole-row write left it.
+        assert rows["w-1"] == replace(
+            w, last_beat_at=T0 + 7.25, last_seq=2**62, acked_version=3, beats=2**40,
+            metrics={"loss": 0.25, "sync_ms": 12.5, "nan": None},
+        )  # fmt: skip
+        assert rows["w-0"] == worker_row("w-0")
 
     def test_directives_are_upserted(self, store: Store) -> None:
         store.write(WriteBatch(directives=[directive("w-1", 1), directive("w-2", 1, precision="bf16")]))

@@ -12,6 +12,7 @@ import pytest
 
 from dsec.control.store import (
     EventQuery,
+    HotRow,
     PlacementRow,
     PolicyRow,
     Store,
@@ -52,10 +53,14 @@ def test_a_request_row_is_newer_than_the_dirty_copy_and_deleted_workers_stay_del
     def row(wid: str, beats: int) -> WorkerRow:
         return WorkerRow(wid, "p", {}, "active", "h", 0.0, 0.0, 0, 0, beats, {})
 
+    def hot(wid: str) -> HotRow:
+        return HotRow(wid, 0.0, 0, 0, 1, {})
+
     merged = merge_batches(
-        [row("w1", 1), row("w2", 1)], [WriteBatch(workers=[row("w1", 2)]), WriteBatch(deleted_workers=["w2"])]
+        [hot("w1"), hot("w2"), hot("w3")], [WriteBatch(workers=[row("w1", 2)]), WriteBatch(deleted_workers=["w2"])]
     )
     assert merged.workers == [row("w1", 2)] and merged.deleted_workers == ["w2"]
+    assert merged.hot == [hot("w3")]
 
 
 class GatedStore(SqlStore):
@@ -138,20 +143,24 @@ def test_a_batch_that_cannot_be_merged_fails_alone_and_the_writer_goes_on(gated:
 
 # -- hot rows in parts ------------------------------------------------------------------------------------------------
 class RecordingStore(GatedStore):
-    """A gated store that records what each transaction carried: (worker rows, events)."""
+    """A gated store that records what each transaction carried: (worker rows, hot rows, events)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url)
-        self.transactions: list[tuple[int, int]] = []
+        self.transactions: list[tuple[int, int, int]] = []
 
     def write(self, batch: WriteBatch) -> list[int]:
         ids = super().write(batch)
-        self.transactions.append((len(batch.workers), len(batch.events)))
+        self.transactions.append((len(batch.workers), len(batch.hot), len(batch.events)))
         return ids
 
 
-def hot_row(i: int, beats: int = 1) -> WorkerRow:
+def full_row(i: int, beats: int = 1) -> WorkerRow:
     return WorkerRow(f"w{i:05d}", "p", {}, "active", "h", 0.0, 0.0, beats, 0, beats, {"m": float(i)})
+
+
+def hot_row(i: int, beats: int = 1) -> HotRow:
+    return HotRow(f"w{i:05d}", float(beats), beats, 0, beats, {"m": float(i)})
 
 
 def test_hot_rows_go_out_in_parts_and_a_request_waits_for_one_part_only(tmp_path: Path) -> None:
@@ -163,7 +172,7 @@ def test_hot_rows_go_out_in_parts_and_a_request_waits_for_one_part_only(tmp_path
     store = RecordingStore(url)
     dirty = [[hot_row(i) for i in range(2500)]]
     marked: list[str] = []
-    store.write(WriteBatch(workers=[hot_row(2450)]))  # stored before: the request deletes it
+    store.write(WriteBatch(workers=[full_row(i, beats=0) for i in range(2500)]))  # registered before
     store.armed.set()  # the writer's first transaction (the first part) waits for the gate
     writer = GroupCommitWriter(
         store, take_dirty=lambda: dirty.pop() if dirty else [], mark_dirty=lambda *ids: marked.extend(ids),
@@ -172,7 +181,7 @@ def test_hot_rows_go_out_in_parts_and_a_request_waits_for_one_part_only(tmp_path
     try:
         assert store.writing.wait(10)
         request = writer.submit(
-            WriteBatch(workers=[hot_row(2400, beats=5)], deleted_workers=["w02450"], events=[ev("x")])
+            WriteBatch(workers=[full_row(2400, beats=5)], deleted_workers=["w02450"], events=[ev("x")])
         )
         store.gate.set()
         assert len(request.result(10)) == 1
@@ -180,14 +189,18 @@ def test_hot_rows_go_out_in_parts_and_a_request_waits_for_one_part_only(tmp_path
         writer.close()
         rows = {w.id: w for w in store.list_workers()}
         store.close()
-    assert store.transactions == [(1, 0), (1000, 0), (1001, 1), (498, 0)]  # the request and its row in the 2nd
+    # The request and its row in the 2nd part; the 3rd without the two workers the request wrote.
+    assert store.transactions == [(2500, 0, 0), (0, 1000, 0), (1, 1000, 1), (0, 498, 0)]
     assert rows["w02400"].beats == 5 and "w02450" not in rows
     assert len(rows) == 2499 and not marked
+    assert all(w.beats == 1 and w.metrics == {"m": float(int(w.id[1:]))} for w in rows.values() if w.id != "w02400")
 
 
 def test_a_failed_part_marks_its_rows_and_the_parts_after_it_dirty_again(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'store.db'}"
-    open_store(url).close()
+    setup = open_store(url)
+    setup.write(WriteBatch(workers=[full_row(i, beats=0) for i in range(2500)]))  # registered before
+    setup.close()
 
     class FailingSecond(SqlStore):
         writes = 0
@@ -211,9 +224,9 @@ def test_a_failed_part_marks_its_rows_and_the_parts_after_it_dirty_again(tmp_pat
             time.sleep(0.01)
     finally:
         writer.close()
-        stored = {w.id for w in store.list_workers()}
+        written = {w.id for w in store.list_workers() if w.beats == 1}
         store.close()
-    assert stored == {f"w{i:05d}" for i in range(1000)}  # the first part only
+    assert written == {f"w{i:05d}" for i in range(1000)}  # the first part only
     assert sorted(marked) == [f"w{i:05d}" for i in range(1000, 2500)]  # retried by the next flush
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dsec.control.store.api import (
     EventQuery,
+    HotRow,
     PlacementRow,
     PolicyRow,
     RuntimeRow,
@@ -28,6 +29,7 @@ def open_store(url: str) -> Store:
 
 __all__ = [
     "EventQuery",
+    "HotRow",
     "PlacementRow",
     "PolicyRow",
     "RuntimeRow",

@@ -49,6 +49,21 @@ class WorkerRow:
     metrics: Mapping[str, float]
 
 
+@dataclass(frozen=True, slots=True)
+class HotRow:
+    """What a heartbeat without events changes of a worker's stored row, written back on the writer's timer
+    (``WriteBatch.hot``). Only these columns: everything else of the row (info, state, token) changes only through a
+    committed request, which writes the whole row. The row exists (the registration committed it); the row of a
+    worker forgotten meanwhile is not written back (an UPDATE, not an upsert: a late copy cannot bring it back)."""
+
+    id: str
+    last_beat_at: float
+    last_seq: int
+    acked_version: int
+    beats: int
+    metrics: Mapping[str, float]
+
+
 @dataclass(frozen=True)
 class TokenRow:
     token_hash: str
@@ -102,6 +117,8 @@ class WriteBatch:
     key when it merges requests, so one merged batch never holds both for the same key)."""
 
     workers: list[WorkerRow] = field(default_factory=list)
+    # Beat-only changes of existing workers (after ``workers``; a worker with a row in ``workers`` has none here).
+    hot: list[HotRow] = field(default_factory=list)
     directives: list[Directive] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     # Workers to forget (with their directives; their events stay), after the upserts of the same batch.

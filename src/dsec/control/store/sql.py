@@ -18,6 +18,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 import dsec.control.store.tables as t
 from dsec.control.store.api import (
     EventQuery,
+    HotRow,
     PlacementRow,
     PolicyRow,
     RuntimeRow,
@@ -88,6 +89,7 @@ class SqlStore:
                 self._engine = create_engine(url, pool_pre_ping=True, json_serializer=json_dumps)
         except (SQLAlchemyError, ImportError, OSError) as exc:
             raise StoreUnavailable(f"cannot open database {self._redacted()}: {exc}") from exc
+        self._upserts: dict[tuple[str, str], Any] = {}  # (table, key) -> statement (_upsert_statement)
 
     def _redacted(self) -> str:
         return (
@@ -119,19 +121,46 @@ class SqlStore:
     def _upsert(self, conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]], key: str) -> None:
         if not rows:
             return
-        dialect = self._engine.dialect.name
-        update_cols = [c.name for c in table.columns if c.name != key]
-        if dialect == "sqlite":
-            stmt = sqlite.insert(table)
-            stmt = stmt.on_conflict_do_update(index_elements=[key], set_={c: stmt.excluded[c] for c in update_cols})
+        stmt = self._upserts.get((table.name, key))
+        if stmt is None:
+            stmt = self._upserts[(table.name, key)] = self._upsert_statement(table, key)
+        if stmt is not False:
             conn.execute(stmt, list(rows))
-        elif dialect == "postgresql":
-            pstmt = postgresql.insert(table)
-            pstmt = pstmt.on_conflict_do_update(index_elements=[key], set_={c: pstmt.excluded[c] for c in update_cols})
-            conn.execute(pstmt, list(rows))
         else:  # portable fallback: delete + insert inside the caller's transaction
             conn.execute(delete(table).where(table.c[key].in_([r[key] for r in rows])))
             conn.execute(insert(table), list(rows))
+
+    def _upsert_statement(self, table: Table, key: str) -> Any:
+        """INSERT ... ON CONFLICT (key) DO UPDATE of every other column, built once per table (``_upserts``): building
+        it — the ``excluded`` alias and its column proxies — was a fifth of the writer thread's time at 10,000
+        workers (py-spy), on every transaction. False where the dialect has no such statement."""
+        dialect = self._engine.dialect.name
+        if dialect not in ("sqlite", "postgresql"):
+            return False
+        stmt = (sqlite if dialect == "sqlite" else postgresql).insert(table)
+        update_cols = [c.name for c in table.columns if c.name != key]
+        return stmt.on_conflict_do_update(index_elements=[key], set_={c: stmt.excluded[c] for c in update_cols})
+
+    def _write_hot(self, conn: Connection, rows: Sequence[HotRow]) -> None:
+        """The beat-only columns of existing rows: one UPDATE, executemany straight on the driver. At 10,000 workers
+        the writer writes back thousands of rows a second while the event loop waits for the GIL it holds; the
+        upsert of whole rows through SQLAlchemy cost ~11-19 µs of CPU per row, this ~3-4 (an in-process timing of
+        10,000 rows in parts of 1,000 on SQLite). The metrics are serialized as every JSON column is
+        (``json_dumps``)."""
+        if not rows:
+            return
+        pg = conn.dialect.name == "postgresql"
+        mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+        metrics = f"{mark}::json" if pg else mark
+        sql = (
+            f"UPDATE workers SET last_beat_at = {mark}, last_seq = {mark}, acked_version = {mark}, beats = {mark}, "
+            f"metrics = {metrics} WHERE id = {mark}"
+        )
+        params = [
+            (r.last_beat_at, r.last_seq, r.acked_version, r.beats, json_dumps(dict(r.metrics.items())), r.id)
+            for r in rows
+        ]
+        conn.exec_driver_sql(sql, params)
 
     def _run(self, what: str, fn: Any) -> Any:
         try:
@@ -199,6 +228,7 @@ class SqlStore:
     def _write_state(self, conn: Connection, batch: WriteBatch) -> None:
         """The batch's upserts (and policy versions, inserted: an existing version is a conflict)."""
         self._upsert(conn, t.workers, [_worker_to_row(w) for w in batch.workers], "id")
+        self._write_hot(conn, batch.hot)
         directive_rows = [
             {"worker_id": d.worker_id, "version": d.version, "fields": d.fields.to_dict(), "updated_at": d.updated_at}
             for d in batch.directives
