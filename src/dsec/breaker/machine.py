@@ -190,12 +190,20 @@ class Breaker:
             return
         values = sample.values()
         limits = caps.limits()
-        self._latest_over = any(v > limits[k] for k, v in values.items() if k in limits)
+        # One pass for both questions (every beat of every worker asks them): is any signal over its cap, and is
+        # every signal under its cap by the hysteresis margin.
+        over, calm, keep = False, True, 1 - self.config.margin
+        for k, v in values.items():
+            cap = limits.get(k)
+            if cap is not None:
+                over = over or v > cap
+                calm = calm and v < cap * keep
+        self._latest_over = over
         self._samples.append((sample.ts, values))
         horizon = sample.ts - self.config.window_s  # calm is tracked by calm_since, not by samples
         while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
-        if self._is_calm(values, caps):
+        if calm:
             if self.calm_since is None:
                 self.calm_since = sample.ts
                 self.calm_count = 0
@@ -298,10 +306,6 @@ class Breaker:
             return None
         since = self.evidence_since if math.isfinite(self.evidence_since) else None
         return {"over": over, "window_s": self.config.window_s, "evidence_since": since}
-
-    def _is_calm(self, values: dict[str, float], caps: Caps) -> bool:
-        limits = caps.limits()
-        return all(v < limits[k] * (1 - self.config.margin) for k, v in values.items() if k in limits)
 
     def undo(self) -> Breaker | None:
         """The state before the last transition (None when there was none)."""

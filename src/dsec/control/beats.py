@@ -21,7 +21,7 @@ from dsec.control.judge import Judge
 from dsec.control.ports import Clock
 from dsec.control.ratelimit import RateLimiter
 from dsec.control.scheduling import device_of_pool
-from dsec.control.schemas import HeartbeatRequest, RegisterRequest
+from dsec.control.schemas import Beat, RegisterRequest
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
 from dsec.control.store import WriteBatch
@@ -125,13 +125,13 @@ class Beats:
             "directive": directive.to_dict(),
         }
 
-    async def heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]:
+    async def heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         # One beat of a worker at a time: a retry arriving while the original is still being committed
         # must see the original's outcome, not race it (the lock is uncontended in normal operation).
         async with w.lock:
             return await self._heartbeat(w, req)
 
-    async def _heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]:
+    async def _heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         now = self.clock()
         if self._is_retry(w, req):
             # A retry of the beat we already applied (its answer was lost): apply nothing twice.
@@ -193,7 +193,7 @@ class Beats:
         return self._beat_answer(w, req, now, duplicate=False)
 
     @staticmethod
-    def _role_change(w: LiveWorker, req: HeartbeatRequest, now: float) -> Event | None:
+    def _role_change(w: LiveWorker, req: Beat, now: float) -> Event | None:
         """The role the probe inferred, when it differs from the record: the record takes it (``w.info``), and the
         event that says so (attributed to the worker: the evidence is its own count)."""
         inferred = req.inferred_role
@@ -204,7 +204,7 @@ class Beats:
         return Event(ts=now, type=EventType.ROLE_INFERRED, worker_id=w.id, pool=w.pool, data=data)
 
     @staticmethod
-    def _is_retry(w: LiveWorker, req: HeartbeatRequest) -> bool:
+    def _is_retry(w: LiveWorker, req: Beat) -> bool:
         """True for a retry of the last applied beat; raises for a beat that must not be applied."""
         if w.state is WorkerState.DEREGISTERED:
             raise errors.conflict(f"worker_id {w.id!r} has deregistered; register again to report", "worker_id")
@@ -224,9 +224,7 @@ class Beats:
             )
         return False
 
-    def _beat_events(
-        self, w: LiveWorker, req: HeartbeatRequest, now: float, was_lost: bool, newly_acked: bool
-    ) -> list[Event]:
+    def _beat_events(self, w: LiveWorker, req: Beat, now: float, was_lost: bool, newly_acked: bool) -> list[Event]:
         """The worker's events as recorded, then what the beat itself says: it came back, it acked the latest."""
         events = self._worker_events(w, req, now)
         if was_lost:
@@ -237,7 +235,7 @@ class Beats:
             events.append(Event(ts=now, type=EventType.DIRECTIVE_ACKED, worker_id=w.id, pool=w.pool, data=data))
         return events
 
-    def _merged_metrics(self, w: LiveWorker, req: HeartbeatRequest) -> Mapping[str, float]:
+    def _merged_metrics(self, w: LiveWorker, req: Beat) -> Mapping[str, float]:
         """The worker's metrics with the beat's merged in; 422 when that would exceed its distinct-name budget (each
         beat is capped, but names accumulate across beats)."""
         cap = self.settings.max_metrics_per_worker
@@ -265,7 +263,7 @@ class Beats:
                 "events",
             )
 
-    def _worker_events(self, w: LiveWorker, req: HeartbeatRequest, now: float) -> list[Event]:
+    def _worker_events(self, w: LiveWorker, req: Beat, now: float) -> list[Event]:
         """The beat's events as recorded: attributed (``source: worker``, whatever the worker wrote there) and dated
         by the worker only when its time is plausible (else by the server, the worker's kept as ``worker_ts``)."""
         cfg = self.settings
@@ -278,7 +276,7 @@ class Beats:
             out.append(Event(ts=ts, type=e.type, worker_id=w.id, pool=w.pool, data=data))
         return out
 
-    def _beat_answer(self, w: LiveWorker, req: HeartbeatRequest, now: float, duplicate: bool) -> dict[str, Any]:
+    def _beat_answer(self, w: LiveWorker, req: Beat, now: float, duplicate: bool) -> dict[str, Any]:
         return {
             "seq": req.seq,
             "duplicate": duplicate,

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from dsec.control.auth import bearer
 from dsec.control.errors import ApiError
 from dsec.control.http import validation_details
-from dsec.control.schemas import MAX_BATCH_ITEMS, HeartbeatRequest
+from dsec.control.schemas import MAX_BATCH_ITEMS, Beat, HeartbeatRequest, plain_beat
 from dsec.control.store import StoreError
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def invalid(exc: ValidationError) -> dict[str, Any]:
 
 
 async def apply_beat(
-    cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, w: LiveWorker, req: HeartbeatRequest
+    cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, w: LiveWorker, req: Beat
 ) -> tuple[int, dict[str, Any]]:
     """Apply one validated beat of an authenticated worker: (200, answer) or (status, error body)."""
     try:
@@ -162,10 +162,12 @@ async def _one_item(cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, item: A
         return 422, _batch_invalid(f"worker_id {worker_id[:80]!r}: expected 1-64 of A-Z a-z 0-9 _ . : -", "worker_id")
     try:
         w = cp.worker_for(worker_id, token)  # the item's own token, before its fields are looked at
-        try:
-            req = HeartbeatRequest.model_validate(item)
-        except ValidationError as exc:
-            return 422, invalid(exc)
+        req: Beat | None = plain_beat(item)
+        if req is None:
+            try:
+                req = HeartbeatRequest.model_validate(item)
+            except ValidationError as exc:
+                return 422, invalid(exc)
         return await apply_beat(cp, metrics, w, req)
     except ApiError as exc:
         return exc.status, exc.body()

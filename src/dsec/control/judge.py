@@ -95,14 +95,24 @@ class Judge:
 
     # -- decision state --------------------------------------------------------------------------------
     def caps_for(self, w: LiveWorker) -> Caps:
+        """The caps in force for ``w`` (``dsec.decide.caps_for``). Kept on the record while its inputs are the same:
+        the pool and the directive's fields are frozen and swapped on change, so the same objects (and the same cap
+        safety floor) give the same caps; every beat reads them twice (its judgment, its answer)."""
         pool = self.state.pools.get(w.pool)
-        return caps_for(
+        fields = w.directive.fields
+        floor = self.latency_floors.get(w.pool)
+        kept = w.caps_cache
+        if kept is not None and kept[0] is pool and kept[1] is fields and kept[2] == floor:
+            return kept[3]
+        caps = caps_for(
             pool.thresholds if pool else None,
             pool.memory_ceiling_gb if pool else None,
-            w.directive.fields,
+            fields,
             self.config.memory_pressure,
-            self.latency_floors.get(w.pool),
+            floor,
         )
+        w.caps_cache = (pool, fields, floor, caps)
+        return caps
 
     def breaker(self, w: LiveWorker, now: float) -> Breaker:
         b = self.breakers.get(w.id)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dsec.model import Device, Directive, Event, EventType, Pool
 
 if TYPE_CHECKING:
-    from dsec.control.schemas import HeartbeatRequest
+    from dsec.control.schemas import Beat
     from dsec.control.state import LiveWorker
     from dsec.control.store import WriteBatch
     from dsec.decide import PoolGauges, WorkerGauges
@@ -73,4 +73,4 @@ class HeartbeatEndpoint(Protocol):
 
     def batch_sender(self, token: str | None) -> None: ...
 
-    async def heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]: ...
+    async def heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]: ...

@@ -37,7 +37,7 @@ from dsec.control.read_models import ReadModels
 from dsec.control.reconcile import Reconciler
 from dsec.control.runtimes import Delivery, DeliveryRetention, RetryPolicy, RuntimeHub
 from dsec.control.scheduling import Scheduler
-from dsec.control.schemas import HeartbeatRequest, RegisterRequest
+from dsec.control.schemas import Beat, RegisterRequest
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
 from dsec.control.store import Store, WriteBatch
@@ -192,7 +192,7 @@ class ControlPlane:
     async def register(self, req: RegisterRequest, token: str | None) -> dict[str, Any]:
         return await self.beats.register(req, token)
 
-    async def heartbeat(self, w: LiveWorker, req: HeartbeatRequest) -> dict[str, Any]:
+    async def heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         return await self.beats.heartbeat(w, req)
 
     async def deregister(self, w: LiveWorker, reason: str) -> dict[str, Any]:

@@ -224,3 +224,30 @@ async def test_a_workers_decision_view_is_kept_until_a_part_of_its_record_change
         assert view_of(live).state is WorkerState.LOST
         live.info = replace(live.info, role=Role.ACTOR)  # role inference swaps the info
         assert view_of(live).role == "actor"
+
+
+async def test_a_workers_caps_are_kept_until_its_pool_directive_or_safety_floor_changes(
+    settings: Settings, stores: list[SqlStore]
+) -> None:
+    from dataclasses import replace
+
+    from dsec.model import PoolThresholds
+
+    async with running_worker(settings, stores) as (cp, w):
+        await w.beat(CALM)
+        live, judge = cp.state.workers[w.id], cp.judge
+        first = judge.caps_for(live)
+        assert judge.caps_for(live) is first and first.latency_ms == PoolThresholds().latency_cap_ms
+        # A policy or the API changes the pool: put_pool swaps the frozen Pool.
+        await cp.put_pool(replace(cp.state.pools["pool-a"], thresholds=PoolThresholds(latency_cap_ms=40.0)))
+        second = judge.caps_for(live)
+        assert second.latency_ms == 40.0
+        live.directive = replace(live.directive, fields=replace(live.directive.fields, latency_cap_ms=30.0))
+        assert judge.caps_for(live).latency_ms == 30.0
+        judge.latency_floors["pool-a"] = 55.0  # cap safety lifts the cap over the pool's median
+        assert judge.caps_for(live).latency_ms == 55.0
+        judge.latency_floors.pop("pool-a")
+        assert judge.caps_for(live).latency_ms == 30.0
+        # The beat's answer carries the same cap the beat was judged against.
+        answer = await w.beat(CALM)
+        assert answer["latency_cap_ms"] == 30.0

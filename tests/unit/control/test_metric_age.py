@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dsec.control.state import AgedMetrics, LiveWorker
 from dsec.control.store import WorkerRow
 from dsec.model import Directive, DirectiveFields
@@ -67,3 +70,24 @@ def test_the_view_reads_like_the_dict_it_replaced() -> None:
     old = m
     m.merged({"a": 7.0}, beat=2, max_age=MAX_AGE)
     assert old == {"a": 1.0, "b": 2.5}, "merging builds a new view: the writer thread may be copying the old one"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    beats=st.lists(st.dictionaries(st.sampled_from("abcdef"), st.floats(-10, 10), max_size=6), max_size=30),
+    max_age=st.integers(0, 4),
+)
+def test_merged_holds_what_the_general_rule_holds_in_the_same_order(
+    beats: list[dict[str, float]], max_age: int
+) -> None:
+    """``merged`` takes a shortcut when a beat sends every name held again; the names, values, beats seen and their
+    order are those of the general rule (fresh names kept in their order, the beat's names updated or appended)."""
+    m, values, seen = AgedMetrics(), {}, {}  # type: ignore[var-annotated]
+    for beat, new in enumerate(beats, start=1):
+        m = m.merged(new, beat=beat, max_age=max_age)
+        seen = {k: b for k, b in seen.items() if b >= beat - max_age}
+        values = {k: values[k] for k in seen}
+        values.update(new)
+        seen.update(dict.fromkeys(new, beat))
+        assert list(m.items()) == list(values.items())
+        assert [(k, m.last_beat(k)) for k in m] == list(seen.items())

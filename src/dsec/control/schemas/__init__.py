@@ -56,6 +56,7 @@ from dsec.control.schemas.workers import (
     MAX_METRICS,
     MAX_RESTORE_S,
     WORKER_ID_PATTERN,
+    Beat,
     BeatAnswer,
     BeatItemError,
     EventIn,
@@ -64,8 +65,10 @@ from dsec.control.schemas.workers import (
     HeartbeatItem,
     HeartbeatRequest,
     InferredRole,
+    PlainBeat,
     RegisterRequest,
     WorkerEventType,
+    plain_beat,
 )
 
 __all__ = [
@@ -81,6 +84,7 @@ __all__ = [
     "MAX_RESTORE_S",
     "NAME_PATTERN",
     "WORKER_ID_PATTERN",
+    "Beat",
     "BeatAnswer",
     "BeatItemError",
     "Bool",
@@ -102,6 +106,7 @@ __all__ = [
     "PlacementGroup",
     "PlacementRequest",
     "PlacementWorker",
+    "PlainBeat",
     "PolicyPush",
     "PolicyUpload",
     "PoolSpec",
@@ -115,4 +120,5 @@ __all__ = [
     "TokenCreate",
     "WorkerEventType",
     "json_integer",
+    "plain_beat",
 ]

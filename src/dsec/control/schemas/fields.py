@@ -32,7 +32,8 @@ Float = Annotated[float, Field(strict=True)]
 Bool = Annotated[bool, Field(strict=True)]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="letters, digits, _ . : - (max 128)")]
-MetricName = Annotated[str, Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]{0,99}$")]
+METRIC_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9_]{0,99}$"
+MetricName = Annotated[str, Field(pattern=METRIC_NAME_PATTERN)]
 MemoryGB = Annotated[float, Field(ge=0, le=MAX_MEMORY_GB, strict=True)]
 MAX_EVENT_DATA_BYTES = 16 * 1024
 MAX_EVENT_DATA_DEPTH = 8
