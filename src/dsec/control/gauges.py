@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from dsec.control.views import view_of
-from dsec.decide import PoolGauges, WorkerGauges, pool_gauges_of, pool_recovery_s, sample_from
+from dsec.decide import PoolGauges, WorkerGauges, latency_signal, pool_gauges_of, pool_recovery_s
 from dsec.model import WorkerState
 from dsec.quota import PoolMemory
 
@@ -65,7 +65,7 @@ class Gauges:
             active = w.state is WorkerState.ACTIVE
             latency = cap = math.nan
             if active:
-                signal = sample_from(view_of(w).metrics, 0.0).latency_ms
+                signal = latency_signal(view_of(w).metrics)
                 latency = math.nan if signal is None else float(signal)
                 if self.caps_for is not None:
                     cap = float(self.caps_for(w).latency_ms)

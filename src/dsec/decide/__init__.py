@@ -20,7 +20,7 @@ the CLI.
 """
 
 from dsec.decide.beat import BeatInputs, BreakerMove, breaker_step, judge_beat
-from dsec.decide.caps import caps_for, safe_latency_floor, sample_from
+from dsec.decide.caps import caps_for, latency_signal, safe_latency_floor, sample_from
 from dsec.decide.devices import DegradeVerdict, degrade, occupancy
 from dsec.decide.fleet import FleetVerdict, judge_pool, judged_workers, slow_workers
 from dsec.decide.gauges import PoolGauges, WorkerGauges, policy_samples, pool_gauges_of, pool_recovery_s
@@ -47,6 +47,7 @@ __all__ = [
     "judge_beat",
     "judge_pool",
     "judged_workers",
+    "latency_signal",
     "observe_memory",
     "occupancy",
     "plan_pool_quotas",

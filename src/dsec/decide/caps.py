@@ -72,16 +72,19 @@ def safe_latency_floors(costs: np.ndarray, cap_ms: np.ndarray, min_peers: int, m
     return np.where(unsafe, median * SAFE_CAP_HEADROOM, np.nan)
 
 
-def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:
-    """The breaker's signals from one beat's metrics. Latency is the per-step *cost* (lateness the group
-    suffered because of this rank, see probe/ddp.py); plain sync latency when the cost is unknown."""
-    upload = finite(metrics, "grad_upload_bytes_per_s")
+def latency_signal(metrics: Mapping[str, Any]) -> float | None:
+    """The breaker's latency signal: the per-step *cost* (lateness the group suffered because of this rank, see
+    probe/ddp.py); plain sync latency when the cost is unknown."""
     latency = finite(metrics, "sync_cost_ms_p50")
-    if latency is None:
-        latency = finite(metrics, "sync_latency_ms_p50")
+    return finite(metrics, "sync_latency_ms_p50") if latency is None else latency
+
+
+def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:
+    """The breaker's signals from one beat's metrics (latency: ``latency_signal``)."""
+    upload = finite(metrics, "grad_upload_bytes_per_s")
     return Sample(
         ts=ts,
         bandwidth_mbps=None if upload is None else upload / 1e6,
-        latency_ms=latency,
+        latency_ms=latency_signal(metrics),
         memory_gb=finite(metrics, "memory_used_gb"),
     )

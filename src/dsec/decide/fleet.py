@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from dsec.alerts.model import Severity
-from dsec.decide.caps import safe_latency_floor, sample_from
+from dsec.decide.caps import latency_signal, safe_latency_floor
 from dsec.decide.verdicts import alert_event
 from dsec.decide.views import WorkerView
 from dsec.health.fleet import FleetConfig, FleetReport, Outlier, PeerSample, compare
@@ -24,12 +23,6 @@ class FleetVerdict:
     judged: set[str] = field(default_factory=set)  # workers whose speed could be compared with peers
     slow_pool: bool = False  # most peers over the pool's latency cap at once
     latency_floor_ms: float | None = None  # cap safety: the latency cap in force is at least this (decide.caps)
-
-
-def features(metrics: Mapping[str, Any], names: Sequence[str] | None = None) -> dict[str, float]:
-    """The numeric metrics (of ``names`` only, when given) as floats."""
-    pairs = metrics.items() if names is None else ((k, metrics.get(k)) for k in names)
-    return {k: float(v) for k, v in pairs if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def judged_workers(samples: Sequence[PeerSample], report: FleetReport, config: FleetConfig) -> set[str]:
@@ -61,9 +54,9 @@ def judge_pool(
 ) -> FleetVerdict:
     """Compare the active ``workers`` of one pool; events for new and cleared outliers (``previous``: each
     worker's flags before) and for the pool's sync slowdown starting (``was_slow``: it was already reported)."""
-    # Only the features compared: a worker's other metrics (dozens) would be copied for nothing.
-    names = [spec.name for spec in config.features]
-    samples = [PeerSample(w.id, w.role, w.group, features(w.metrics, names)) for w in workers if w.metrics]
+    # A view's metrics are immutable: the comparison reads them in place (``PeerSample.value`` takes only finite
+    # numbers, what ``features`` keeps) instead of a copy of the compared names per worker (~10 µs each at 10,000).
+    samples = [PeerSample(w.id, w.role, w.group, w.metrics) for w in workers if w.metrics]
     report = compare(samples, config)
     flagged = report.outliers_by_worker()
     verdict = FleetVerdict(judged=judged_workers(samples, report, config))
@@ -80,7 +73,7 @@ def judge_pool(
             verdict.events.append(Event(ts=now, type=EventType.ANOMALY, worker_id=w.id, pool=w.pool, data=data))
         verdict.flags[w.id] = set(now_flags)
     if pool is not None:
-        costs = [sample_from(w.metrics, now).latency_ms for w in workers]
+        costs = [latency_signal(w.metrics) for w in workers]
         verdict.slow_pool, alert = _pool_slowdown(pool, costs, was_slow, config, now)
         verdict.events += alert
         verdict.latency_floor_ms = safe_latency_floor(costs, pool.thresholds.latency_cap_ms, config.min_peers, margin)

@@ -30,7 +30,7 @@ from dsec.decide import (
 )
 from dsec.decide.beat import BreakerMove, breaker_events
 from dsec.decide.caps import finite, safe_latency_floors, sample_from
-from dsec.decide.fleet import features, judged_workers
+from dsec.decide.fleet import judged_workers
 from dsec.decide.gauges import pool_gauges_of, pool_recovery_s, sync_success, utilization
 from dsec.decide.quotas import precision_restore
 from dsec.decide.verdicts import alert_event
@@ -253,10 +253,6 @@ def test_an_alert_event_carries_dsecs_source_over_any_in_its_data() -> None:
 
 
 # -- fleet -----------------------------------------------------------------------------------------------------------
-def test_features_are_the_numbers_of_a_beat() -> None:
-    assert features({"a": 1, "b": 2.5, "c": True, "d": "x", "e": None}) == {"a": 1.0, "b": 2.5}
-
-
 def test_an_outlier_is_an_anomaly_and_a_straggler_alert_with_its_statistics() -> None:
     ws = [view(i, metrics={"step_ms_mean": 100.0 + i}) for i in range(4)] + [view(4, metrics={"step_ms_mean": 900.0})]
     v = judge_pool(POOL, "p", ws, {}, False, FleetConfig(), 10.0)
