@@ -257,8 +257,9 @@ class HotState:
     def writing(self, *worker_ids: str) -> Iterator[None]:
         """Around a request that commits rows of ``worker_ids`` and then applies the change here: meanwhile the
         writer takes no dirty copy of them. A copy taken after the commit but before the apply is older than the
-        committed row, and a flush wrote it over that row — a worker that deregistered read ``active`` in the
-        store, for good (nothing marks a deregistered worker dirty again), and ``lost`` after a restart."""
+        committed row, and a flush wrote it over that row: its beat columns went back to the values before. (While
+        the write-back carried whole rows, the state went back too — a worker that deregistered read ``active`` in
+        the store, for good, and ``lost`` after a restart.)"""
         with self._lock:
             self._writing.update(worker_ids)
         try:
