@@ -55,7 +55,7 @@ def judge_pool(
     """Compare the active ``workers`` of one pool; events for new and cleared outliers (``previous``: each
     worker's flags before) and for the pool's sync slowdown starting (``was_slow``: it was already reported)."""
     # A view's metrics are immutable: the comparison reads them in place (``PeerSample.value`` takes only finite
-    # numbers, what ``features`` keeps) instead of a copy of the compared names per worker (~10 µs each at 10,000).
+    # numbers, not bools) instead of a copy of the compared names per worker.
     samples = [PeerSample(w.id, w.role, w.group, w.metrics) for w in workers if w.metrics]
     report = compare(samples, config)
     flagged = report.outliers_by_worker()
