@@ -190,10 +190,14 @@ def _error_statuses(op: dict[str, Any]) -> None:
 
 
 async def _reconcile_forever(cp: ControlPlane) -> None:
+    loop = asyncio.get_running_loop()
     while True:
+        due = loop.time() + cp.settings.reconcile_interval_s
         await asyncio.sleep(cp.settings.reconcile_interval_s)
+        # Waking late means the loop (or the process) stalled: beats may be waiting unread (Reconciler._mark_lost).
+        stall_s = max(0.0, loop.time() - due)
         try:
-            await cp.reconcile()
+            await cp.reconcile(stall_s)
         except Exception:  # the loop must survive a store outage; the next pass retries
             log.exception("reconcile pass failed")
         await cp.cost.refresh()  # at most every cost_refresh_s; it logs its own failures

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from contextlib import AsyncExitStack
 from dataclasses import replace
 
 from dsec.control import errors, retention
@@ -54,11 +55,11 @@ class Reconciler:
         self.clock = clock
         self._last_retention = -math.inf
 
-    async def reconcile(self) -> list[str]:
+    async def reconcile(self, stall_s: float = 0.0) -> list[str]:
         """One pass of the control loop: mark overdue workers lost (durably, with an event), then the
         periodic judgments (fleet comparison, elastic quotas, precision restores), then the policies (on their
-        own interval)."""
-        lost = await self._mark_lost()
+        own interval). ``stall_s``: how late this pass started (``_mark_lost``)."""
+        lost = await self._mark_lost(stall_s)
         await self._judge_periodic()
         await self.scheduler.tick(self.clock())
         await self.policies.tick()
@@ -113,32 +114,53 @@ class Reconciler:
             except errors.ApiError as exc:
                 logger.warning("%s could not change %s's directive: %s", c.actor, c.worker_id, exc)
 
-    async def _mark_lost(self) -> list[str]:
+    async def _mark_lost(self, stall_s: float = 0.0) -> list[str]:
+        """Mark active workers that missed ``lost_after_beats`` beats lost, durably, each with its event.
+
+        ``stall_s``: how late the pass woke. A pass that starts late ran behind a stalled event loop or process, and
+        beats that arrived meanwhile may still wait in sockets, unread: silence is judged as of ``stall_s`` earlier,
+        so a stall of the control plane's own is not blamed on its workers (otherwise one long pause of the server
+        makes every worker "lost" at once, and their groups get recovered for nothing).
+
+        The workers' locks are held from the check to the apply: a beat or a deregistration being applied finishes
+        first and is seen (then the worker is not lost), and one arriving meanwhile waits and finds it lost (a
+        rejoin). Without them a deregistration committed during the commit here was overwritten by ``lost``, and a
+        beat applied then left the store saying ``lost`` of an active worker."""
         now = self.clock()
-        lost = overdue(self.state.workers.values(), now, self.settings.lost_after_beats)
-        if not lost:
+        at = now - max(stall_s, 0.0)
+        after = self.settings.lost_after_beats
+        candidates = overdue(self.state.workers.values(), at, after)
+        if not candidates:
             return []
-        events, rows = [], []
-        for wid in lost:
-            w = self.state.workers[wid]
-            events.append(
-                Event(
-                    ts=now,
-                    type=EventType.LOST,
-                    worker_id=wid,
-                    pool=w.pool,
-                    data={"silent_s": round(now - w.last_beat_at, 3), "missed_beats": self.settings.lost_after_beats},
+        async with AsyncExitStack() as held:
+            workers = []
+            for wid in candidates:  # no other path holds two workers' locks: any order is free of deadlock
+                cand = self.state.workers.get(wid)
+                if cand is not None:
+                    await held.enter_async_context(cand.lock)
+                    workers.append(cand)
+            workers = [w for w in workers if self.state.workers.get(w.id) is w and overdue((w,), at, after)]
+            if not workers:
+                return []
+            lost = [w.id for w in workers]
+            events, rows = [], []
+            for w in workers:
+                events.append(
+                    Event(
+                        ts=now,
+                        type=EventType.LOST,
+                        worker_id=w.id,
+                        pool=w.pool,
+                        data={"silent_s": round(now - w.last_beat_at, 3), "missed_beats": after},
+                    )
                 )
-            )
-            rows.append(replace(w.row(), state=WorkerState.LOST.value))
-            run = self.scheduler.run_record(w, True)
-            if run is not None:
-                events.append(run)
-        with self.state.writing(*lost):  # no dirty copy (still active) between the commit and the apply
-            await self.log.commit(WriteBatch(workers=rows, events=events))
-            for wid in lost:
-                w = self.state.workers[wid]
-                if w.last_beat_at <= now:  # it did not come back while we were committing
+                rows.append(replace(w.row(), state=WorkerState.LOST.value))
+                run = self.scheduler.run_record(w, True)
+                if run is not None:
+                    events.append(run)
+            with self.state.writing(*lost):  # no dirty copy (still active) between the commit and the apply
+                await self.log.commit(WriteBatch(workers=rows, events=events))
+                for w in workers:
                     w.state = WorkerState.LOST
         logger.info("workers lost: %s", ", ".join(lost))
         return lost

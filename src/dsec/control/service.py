@@ -215,8 +215,8 @@ class ControlPlane:
     async def put_device(self, device: Device) -> Device:
         return await self.inventory.put_device(device)
 
-    async def reconcile(self) -> list[str]:
-        return await self.reconciler.reconcile()
+    async def reconcile(self, stall_s: float = 0.0) -> list[str]:
+        return await self.reconciler.reconcile(stall_s)
 
     async def retain(self, force: bool = False) -> tuple[list[str], int]:
         return await self.reconciler.retain(force)

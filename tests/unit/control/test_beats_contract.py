@@ -172,6 +172,57 @@ async def test_events_are_budgeted_and_an_overdrawn_beat_applies_nothing(cp: Con
     assert len(_events(cp, w, EventType.LOG)) == 4
 
 
+async def test_a_pass_that_woke_late_does_not_blame_its_own_stall_on_the_workers(
+    cp: ControlPlane, clock: Clock
+) -> None:
+    """A reconcile pass that wakes ``stall_s`` late ran behind a stalled loop: beats may still wait unread. Silence
+    is judged as of that much earlier, so only a worker silent for longer than the window plus the stall is lost."""
+    w = await _worker(cp)
+    await _beat(cp, w, 1)
+    window = cp.settings.lost_after_beats * w.interval_s
+    clock.now += window + 0.5
+    assert await cp.reconcile(stall_s=0.6) == []
+    assert w.state is WorkerState.ACTIVE and _events(cp, w, EventType.LOST) == []
+    assert await cp.reconcile(stall_s=0.4) == [w.id]
+    (ev,) = _events(cp, w, EventType.LOST)
+    assert ev.data == {"silent_s": round(window + 0.5, 3), "missed_beats": cp.settings.lost_after_beats}
+
+
+@pytest.mark.parametrize("meanwhile", ["deregister", "beat"])
+async def test_what_arrives_while_a_loss_is_committed_is_applied_after_it(
+    cp: ControlPlane, clock: Clock, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """The liveness scan holds the lost workers from its check to its apply. A deregistration that arrived during
+    its commit was overwritten by ``lost`` (the store said deregistered, the control plane lost); a beat applied
+    then left the store saying ``lost`` of an active worker, with no rejoin recorded. Now either waits, and finds
+    the worker lost: deregistered from lost, or rejoined."""
+    w = await _worker(cp)
+    await _beat(cp, w, 1)
+    real = cp.log.commit
+    arrivals: list[asyncio.Future[Any]] = []
+
+    async def commit_then_let_a_request_in(batch: WriteBatch) -> list[int]:
+        ids = await real(batch)
+        if not arrivals and any(r.id == w.id and r.state == "lost" for r in batch.workers):
+            request = cp.deregister(w, "done") if meanwhile == "deregister" else _beat(cp, w, 2)
+            arrivals.append(asyncio.ensure_future(request))
+            await asyncio.wait(arrivals, timeout=1.0)  # what it does if nothing holds it back
+        return ids
+
+    monkeypatch.setattr(cp.log, "commit", commit_then_let_a_request_in)
+    clock.now += 3600.0
+    assert await cp.reconcile() == [w.id]
+    await arrivals[0]
+    assert _events(cp, w, EventType.LOST)
+    expected = WorkerState.DEREGISTERED if meanwhile == "deregister" else WorkerState.ACTIVE
+    assert w.state is expected
+    if meanwhile == "beat":
+        (rejoined,) = _events(cp, w, EventType.REJOINED)
+        assert rejoined.data == {"silent_s": 3600.0}
+    (row,) = [r for r in cp.store.list_workers() if r.id == w.id]
+    assert row.state == expected.value
+
+
 # -- what a beat records --------------------------------------------------------------------------------------
 async def test_a_lost_worker_that_beats_rejoins(cp: ControlPlane, clock: Clock) -> None:
     w = await _worker(cp)
