@@ -59,7 +59,9 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             f"goodput ratio DSec/tuned baseline {h['goodput_ratio']} (naive {h['goodput_ratio_naive']}), captured "
             f"{h['captured_share']} of the recoverable loss; GPU-hours lost/day {b['gpu_hours_lost_per_day']} -> "
             f"{d['gpu_hours_lost_per_day']}; interruption rate {b['interruption_rate']:.2%} -> "
-            f"{d['interruption_rate']:.2%}; recovery p50 {b['recovery_s_p50']} s -> {d['recovery_s_p50']} s; "
+            f"{d['interruption_rate']:.2%} ({b['interruption_rate_without_capacity_waits']:.2%} -> "
+            f"{d['interruption_rate_without_capacity_waits']:.2%} without waiting for capacity); "
+            f"recovery p50 {b['recovery_s_p50']} s -> {d['recovery_s_p50']} s; "
             f"{d['meltdowns']} meltdowns; {d['sim_speedup']}x real time (dsec simulate, docs/simulator.md)",
         )
     ]

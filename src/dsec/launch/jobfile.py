@@ -44,10 +44,11 @@ class SnapshotSettings(_Strict):
     enabled: bool = True
     dir: Path = Path(".dsec/snapshots")
     interval_s: float | None = Field(None, ge=1, le=86400)
-    # ``failure_history``: each learner's interval from its group's history — Young's sqrt(2 x cost x MTBF) over the
-    # restarts that rolled the group back to its snapshots, ``interval_s`` (or the pool's) the prior, 30 s to 30 min
-    # (dsec.decide.cadence, probe/cadence.py); ``fixed``: every ``interval_s``.
-    cadence: Literal["fixed", "failure_history"] = "fixed"
+    # ``failure_history`` (the default): each learner's interval from its group's history — Young's
+    # sqrt(2 x cost x MTBF) over the restarts that rolled the group back to its snapshots, the job's other groups'
+    # history and ``interval_s`` (or the pool's) the prior, 30 s to 30 min (dsec.decide.cadence, probe/cadence.py,
+    # dsec.job_history); ``fixed``: every ``interval_s`` (the default until 2026-12-04).
+    cadence: Literal["fixed", "failure_history"] = "failure_history"
 
 
 class RestartSettings(_Strict):

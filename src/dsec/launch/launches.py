@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from dsec.client import ApiError
+from dsec.job_history import history_path
 from dsec.launch.base import WorkerLaunch
 from dsec.launch.jobfile import JobFile
 from dsec.scheduler.inventory import synthesize
@@ -145,6 +146,7 @@ def _env(
     if job.snapshots.enabled and job.snapshots.cadence != "fixed":
         env["DSEC_SNAPSHOT_CADENCE"] = job.snapshots.cadence
         env["DSEC_SNAPSHOT_HISTORY"] = f"{history[0]:.1f}:{history[1]}"
+        env["DSEC_SNAPSHOT_JOB_HISTORY"] = str(history_path(job.snapshots.dir, job.job))
     if restore:
         env["DSEC_RESTORE"] = "latest"
     if group in runs:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsec.client import ClientError
+from dsec.job_history import GroupHistory, history_path, write_history
 from dsec.launch.base import Exit, Launcher, WorkerLaunch
 from dsec.launch.jobfile import JobFile
 from dsec.launch.launches import free_port, place_job, worker_launches
@@ -135,13 +136,34 @@ class Supervisor:
         up = self._up_since.get(group)
         return self._trained_s[group] + (time.time() - up if up is not None else 0.0), self.rollbacks[group]
 
+    def _share_history(self) -> None:
+        """Rewrite the job's history file (dsec.job_history) for the learners' cadence: each group's history as
+        of now, and whether it trains on. A failed write costs only the sharpening of their prior (logged)."""
+        snaps = self.job.snapshots
+        if not snaps.enabled or snaps.cadence == "fixed":
+            return
+        now = time.time()
+        groups = {}
+        for g in self.job.groups:
+            if g.role == "actor":  # restarts alone and keeps no snapshot: no learner's history
+                continue
+            exposure, rollbacks = self.history(g.name)
+            groups[g.name] = GroupHistory(exposure, rollbacks, running=g.name in self._up_since)
+        try:
+            write_history(history_path(snaps.dir, self.job.job), groups, now)
+        except OSError as exc:
+            log.warning("job history not shared with the learners: %s", exc)
+
     def start(self, restore: bool = False) -> None:
         """Place the job and start every group (``restore``: from the newest snapshots, e.g. after a crash of the
         whole job)."""
         self.placement = self._place()
+        now = time.time()
+        for g in self.job.groups:
+            self._up_since[g.name] = now
+        self._share_history()  # before the first process starts: it reads the file at its first interval
         for g in self.job.groups:
             self._new_run(g.name)
-            self._up_since[g.name] = time.time()
             self._spawn(self._launches(g.name, restore=restore))
         self._last_poll = time.time()
 
@@ -325,7 +347,9 @@ class Supervisor:
             self.rollbacks[group] += 1
         if self._spent(group, worker, code, reason):
             self._up_since.pop(group, None)
+            self._share_history()
             return
+        self._share_history()
         self.done = {w for w in self.done if not w.startswith(f"{group}-")}
         for w in [w for w, r in self._healing.items() if r.group == group]:
             del self._healing[w]

@@ -200,9 +200,11 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         if self.sc.dsec.snapshot_cadence == "fixed":
             return self.durable_interval_s
         d = self.sc.dsec
-        return snapshot_interval_s(
-            d.snapshot_cost_s, float(self.exposure_s[g]), int(self.rollbacks[g]), d.snapshot_interval_s
-        )
+        own = (float(self.exposure_s[g]), int(self.rollbacks[g]))
+        peers = (0.0, 0)
+        if d.snapshot_history == "job":  # the other groups' history as the prior, as the launcher's history file gives
+            peers = (float(self.exposure_s.sum()) - own[0], int(self.rollbacks.sum()) - own[1])
+        return snapshot_interval_s(d.snapshot_cost_s, *own, d.snapshot_interval_s, peers=peers)
 
     # -- per sample --------------------------------------------------------------------------------------------------
     def observe(self, t: float, k: int, mem: np.ndarray, compute_s: np.ndarray, latency_ms: np.ndarray) -> None:

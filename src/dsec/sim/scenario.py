@@ -148,10 +148,13 @@ class Dsec(_Strict):
     # False: every failure restarts the group from its snapshot (the simulator before 2026-12-03).
     restart_actors_alone: bool = True
     # The job file's ``snapshots.cadence`` (dsec.decide.cadence; the launcher passes each group's history to its
-    # learners): ``failure_history`` — each group's interval is Young's sqrt(2 x snapshot_cost_s x MTBF) over the
-    # restarts that rolled it back, snapshot_interval_s the prior (30 s to 30 min); ``fixed``: every
-    # snapshot_interval_s (the default, in the product too).
-    snapshot_cadence: Literal["fixed", "failure_history"] = "fixed"
+    # learners): ``failure_history`` (the default, in job files too) — each group's interval is Young's
+    # sqrt(2 x snapshot_cost_s x MTBF) over the restarts that rolled it back, snapshot_interval_s the prior (30 s to
+    # 30 min); ``fixed``: every snapshot_interval_s (the default until 2026-12-04).
+    snapshot_cadence: Literal["fixed", "failure_history"] = "failure_history"
+    # Whose history the estimate starts from: ``job`` — the other groups' (the launcher's history file), then the
+    # group's own; ``group`` — the group's own only, the configured interval as the prior (before 2026-12-04).
+    snapshot_history: Literal["job", "group"] = "job"
 
 
 class Efficiency(_Strict):

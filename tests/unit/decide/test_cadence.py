@@ -27,6 +27,25 @@ def test_no_history_gets_the_configured_interval_quiet_time_lengthens_it_rollbac
     assert snapshot_interval_s(0.25, 3600.0, 10, 90.0) < 90.0
 
 
+def test_the_job_s_other_groups_are_the_prior_a_group_s_own_failures_still_pull_it_down() -> None:
+    m0 = 90.0**2 / (2 * 0.25)
+    hour, week = 3600.0, 7 * 86_400.0
+    # No peers, or peers without history: the single-group rule, exactly.
+    assert snapshot_interval_s(0.25, hour, 1, 90.0, peers=(0.0, 0)) == snapshot_interval_s(0.25, hour, 1, 90.0)
+    # 7 calm peers for an hour: the prior MTBF is their exposure plus M0, as if the group had trained 8 hours.
+    calm = snapshot_interval_s(0.25, hour, 0, 90.0, peers=(7 * hour, 0))
+    assert calm == pytest.approx(math.sqrt(2 * 0.25 * (hour + 7 * hour + m0)))
+    assert calm > snapshot_interval_s(0.25, hour, 0, 90.0)
+    # Peers that fail: their rate divides the prior (7 rollbacks in 7 hours: ~1 h between failures).
+    assert snapshot_interval_s(0.25, hour, 0, 90.0, peers=(7 * hour, 7)) == pytest.approx(
+        math.sqrt(2 * 0.25 * (hour + (7 * hour + m0) / 8))
+    )
+    # A group whose own learner keeps failing shortens its interval even in a job that has been calm for a week.
+    assert snapshot_interval_s(0.25, hour, 6, 90.0, peers=(week, 0)) < 0.5 * snapshot_interval_s(
+        0.25, hour, 0, 90.0, peers=(week, 0)
+    )
+
+
 def test_bounds_hold_at_both_ends_and_free_snapshots_go_to_the_floor() -> None:
     cfg = CadenceConfig(floor_s=30.0, ceiling_s=1800.0)
     assert snapshot_interval_s(0.25, 100.0, 50, 90.0, cfg) == 30.0

@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dsec.job_history import history_path, peers_of
 from dsec.launch import supervisor as supervisor_module
 from dsec.launch.base import Exit, WorkerLaunch
 from dsec.launch.jobfile import JobFile
@@ -264,11 +267,50 @@ def test_the_failure_history_reaches_the_restarted_ranks_with_cadence_failure_hi
     assert sup.rollbacks == {"g": 1, "a": 0} and sup.history("g") == (600.0, 1)
     clock.now += 60.0
     assert sup.history("g") == (660.0, 1)  # the current incarnation's time counts too
-    fixed = JobFile.model_validate({**spec, "snapshots": {"interval_s": 90}})
+    fixed = JobFile.model_validate({**spec, "snapshots": {"interval_s": 90, "cadence": "fixed"}})
     plain = Launcher(lambda w, n: None, clock)
     Supervisor(fixed, plain).start()
-    assert not any(k.startswith("DSEC_SNAPSHOT_CADENCE") or k == "DSEC_SNAPSHOT_HISTORY"
-                   for w in plain.starts[0] for k in w.env)  # fmt: skip
+    assert not any(k.startswith("DSEC_SNAPSHOT_CADENCE") or k.startswith("DSEC_SNAPSHOT_HISTORY")
+                   or k == "DSEC_SNAPSHOT_JOB_HISTORY" for w in plain.starts[0] for k in w.env)  # fmt: skip
+    # Since 2026-12-04 the adaptive cadence is the default of a job file.
+    assert JobFile.model_validate({**spec, "snapshots": {"interval_s": 90}}).snapshots.cadence == "failure_history"
+
+
+def test_the_job_history_file_follows_every_start_and_rollback_of_the_learner_groups(clock: Clock) -> None:
+    """The learners' cadence takes the job's other groups' history as its prior (dsec.job_history): the supervisor
+    rewrites the file at the start and at every group restart; actor groups (no snapshot, nothing rolled back) are
+    not in it; each learner is told where it is and which group it is."""
+    spec = {
+        "job": "j",
+        "pool": "pool-a",
+        "snapshots": {"dir": "snaps", "interval_s": 90},
+        "groups": [
+            {"name": "g", "world_size": 1, "command": ["train"]},
+            {"name": "h", "world_size": 1, "command": ["train"]},
+            {"name": "a", "role": "actor", "world_size": 1, "command": ["act"]},
+        ],
+    }
+
+    def exits(w: WorkerLaunch, n: int) -> int | None:
+        return 1 if "DSEC_RESTORE" not in w.env and w.group == "g" else None  # g's first incarnation dies
+
+    launcher = Launcher(exits, clock)
+    sup = Supervisor(JobFile.model_validate(spec), launcher)
+    sup.start()
+    path = history_path(Path("snaps"), "j")
+    env = {w.worker: w.env for start in launcher.starts for w in start}
+    assert env["h-0"]["DSEC_SNAPSHOT_JOB_HISTORY"] == str(path) and env["h-0"]["DSEC_GROUP"] == "h"
+    doc = json.loads(path.read_text())
+    assert doc["written_at"] == clock.now and set(doc["groups"]) == {"g", "h"}
+    assert doc["groups"]["g"] == {"exposure_s": 0.0, "rollbacks": 0, "running": True}
+    clock.now += 600.0
+    sup.step()  # g restarts from its snapshots: one rollback
+    doc = json.loads(path.read_text())
+    assert doc["written_at"] == clock.now
+    assert doc["groups"] == {"g": {"exposure_s": 600.0, "rollbacks": 1, "running": True},
+                             "h": {"exposure_s": 600.0, "rollbacks": 0, "running": True}}  # fmt: skip
+    # What h's learner reads 60 s later: g's history, still training.
+    assert peers_of(path, "h", clock.now + 60.0) == (660.0, 1)
 
 
 def test_an_unknown_snapshot_cadence_names_file_line_and_field(tmp_path: Any) -> None:

@@ -538,7 +538,7 @@ def test_an_absent_actor_holds_no_memory_and_is_not_judged() -> None:
 
 def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_back_and_more_when_learners_fail() -> None:
     history = {**QUIET, "duration_h": 6.0, "dsec": {"snapshot_cadence": "failure_history"}}
-    long_h, long_f = small(**history), small(**{**QUIET, "duration_h": 6.0})
+    long_h, long_f = small(**history), small(**{**QUIET, "duration_h": 6.0, "dsec": {"snapshot_cadence": "fixed"}})
     quiet_h = Simulation(long_h, DsecRegime(long_h, None), trace=_crashes([])).run()
     quiet_f = Simulation(long_f, DsecRegime(long_f, None), trace=_crashes([])).run()
     assert quiet_h.blocked_s.sum() < 0.9 * quiet_f.blocked_s.sum()  # fixed: every 90 s; history: 90 s -> ~137 s
@@ -554,6 +554,22 @@ def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_bac
     assert regime.durable_interval(0, failing.duration_s) < sc.dsec.snapshot_interval_s  # the prior, 90 s
     per_hour = failing.blocked_s.sum() / (failing.duration_s - failing.down_s.sum() / sc.groups.count)
     assert per_hour > quiet_h.blocked_s.sum() / quiet_h.duration_s
+
+
+def test_the_job_s_history_lengthens_every_group_s_interval_sooner_than_each_group_s_own() -> None:
+    """With ``snapshot_history: job`` (the default) each group's prior is the other groups' history, as the
+    launcher's history file gives it: a quiet job snapshots less often than with each group's own history alone,
+    and the adaptive cadence is the default (2026-12-04)."""
+    assert small(**QUIET).dsec.snapshot_cadence == "failure_history"
+    runs = {}
+    for scope in ("job", "group"):
+        sc = small(**{**QUIET, "duration_h": 6.0, "dsec": {"snapshot_history": scope}})
+        regime = DsecRegime(sc, None)
+        runs[scope] = (Simulation(sc, regime, trace=_crashes([])).run(), regime)
+    (job, job_regime), (own, own_regime) = runs["job"], runs["group"]
+    assert job.blocked_s.sum() < 0.8 * own.blocked_s.sum()
+    t = job.duration_s
+    assert job_regime.durable_interval(0, t) > 1.5 * own_regime.durable_interval(0, t)
 
 
 def test_a_group_with_nowhere_to_go_stays_on_its_degraded_card_as_the_supervisor_does() -> None:
