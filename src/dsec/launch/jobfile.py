@@ -5,7 +5,7 @@ Example (``examples/jobs/ppo.yaml``)::
     job: ppo-cartpole
     pool: pool-0
     launcher: local                      # local | ray (examples/jobs/ppo-ray.yaml; ``ray:`` settings)
-    snapshots: {dir: .dsec/snapshots, interval_s: 5}   # cadence: failure_history adapts interval_s (below)
+    snapshots: {dir: .dsec/snapshots, interval_s: 5}   # adapted to the failure history unless cadence: fixed (below)
     restart: {max_restarts: 3}
     groups:
       - name: learners

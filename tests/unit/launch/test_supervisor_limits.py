@@ -19,6 +19,13 @@ from dsec.launch.jobfile import JobFile
 from dsec.launch.supervisor import Supervisor
 
 
+@pytest.fixture(autouse=True)
+def _own_working_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor writes the job's history file into the job's snapshot directory (``.dsec/snapshots`` by
+    default, relative to the working directory): each test runs in a directory of its own."""
+    monkeypatch.chdir(tmp_path)
+
+
 class Clock:
     """Stands in for the supervisor module's ``time``: every reading is the virtual now; sleeping advances it."""
 
