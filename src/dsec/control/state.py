@@ -64,6 +64,12 @@ class AgedMetrics(Mapping[str, float]):
     def __repr__(self) -> str:
         return f"AgedMetrics({self._values!r})"
 
+    def as_dict(self) -> Mapping[str, float]:
+        """The names and values as the plain dict this holds, for readers that look up many names: ``dict.get`` is
+        C, this class's ``get`` a Python call (the periodic judgments read ~6 names of each of 10,000 workers several
+        times a second). Safe to share: nothing mutates it once built (``merged`` builds new dicts)."""
+        return self._values
+
     def last_beat(self, name: str) -> int:
         """The beat ``name`` was last sent in (KeyError when it is not held)."""
         return self._seen[name]

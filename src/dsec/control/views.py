@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dsec.control.state import AgedMetrics
 from dsec.decide import WorkerView
 
 if TYPE_CHECKING:
@@ -20,6 +21,8 @@ def view_of(w: LiveWorker) -> WorkerView:
     kept = w.view_cache
     if kept is not None and kept[0] is i and kept[1] is fields and kept[2] is metrics and kept[3] is state:
         return kept[4]
-    view = WorkerView(w.id, i.pool, i.role.value, i.group, i.rank, state, fields, metrics, i.device)
+    # The view reads the metrics' plain dict: the decisions look up names of every worker on every pass.
+    plain = metrics.as_dict() if isinstance(metrics, AgedMetrics) else metrics
+    view = WorkerView(w.id, i.pool, i.role.value, i.group, i.rank, state, fields, plain, i.device)
     w.view_cache = (i, fields, metrics, state, view)
     return view

@@ -72,6 +72,19 @@ def test_the_view_reads_like_the_dict_it_replaced() -> None:
     assert old == {"a": 1.0, "b": 2.5}, "merging builds a new view: the writer thread may be copying the old one"
 
 
+def test_the_plain_dict_a_decision_view_shares_is_never_changed_by_later_beats() -> None:
+    # Decision views read as_dict() (control/views.py) and may be read on the judgments' thread while beats go on:
+    # neither branch of merged (every name sent again, or some aged out) may touch a dict handed out before.
+    m = AgedMetrics().merged({"a": 1.0, "b": 2.0}, beat=1, max_age=1)
+    shared = m.as_dict()
+    full = m.merged({"a": 3.0, "b": 4.0}, beat=2, max_age=1)  # the common branch: dict copy + update
+    partial = full.merged({"a": 5.0}, beat=4, max_age=1)  # the general branch: "b" aged out
+    assert shared == {"a": 1.0, "b": 2.0}
+    assert full.as_dict() == {"a": 3.0, "b": 4.0} and partial.as_dict() == {"a": 5.0}
+    assert full.as_dict() is not shared and partial.as_dict() is not full.as_dict()
+    assert dict(m) == shared  # the same names and values the Mapping reads
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     beats=st.lists(st.dictionaries(st.sampled_from("abcdef"), st.floats(-10, 10), max_size=6), max_size=30),
