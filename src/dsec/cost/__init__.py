@@ -1,6 +1,7 @@
 """Cost accounting (pure): device-hours by phase, DSec's own overhead and the opportunity cost of degrading, over
 recorded events and worker records. See ``phases`` (what a device-hour was spent on), ``accounting`` (the
-report) and docs/observability.md ("Cost accounting")."""
+report), ``ledger`` (the same report kept up to date between refreshes) and docs/observability.md ("Cost
+accounting")."""
 
 from dsec.cost.accounting import (
     CostReport,
@@ -11,6 +12,7 @@ from dsec.cost.accounting import (
     snapshot_overhead,
     throughput_effect,
 )
+from dsec.cost.ledger import CostLedger
 from dsec.cost.phases import (
     PHASES,
     PROGRESS_METRICS,
@@ -32,6 +34,7 @@ __all__ = [
     "PROGRESS_METRICS",
     "STATE_TYPES",
     "WINDOW_TYPES",
+    "CostLedger",
     "CostReport",
     "Hours",
     "Interval",

@@ -9,14 +9,16 @@ process; the phases are in ``dsec.cost.phases``, the formulas in docs/observabil
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.cost.phases import (
     METRIC_HISTORY_NOTE,
+    NO_THROUGHPUT_NOTE,
     PHASES,
     PROBE_OVERHEAD_NOTE,
     Hours,
@@ -118,24 +120,43 @@ class CostReport:
         }
 
 
+#: One ``snapshot`` event's figures: bytes stored, stage ms, background (total) ms, blocking ms.
+SnapshotFigures = tuple[float, float, float, float]
+
+
+def snapshot_figures(e: Event) -> SnapshotFigures | None:
+    """What ``snapshot_overhead`` sums of one event; None for any other event and a snapshot that did not complete."""
+    if e.type is not EventType.SNAPSHOT or e.data.get("status", "ok") != "ok":
+        return None
+    d = e.data
+    return (
+        number_of(d, "bytes") or number_of(d, "stored_bytes") or 0.0,
+        number_of(d, "stage_ms") or 0.0,
+        number_of(d, "total_ms") or 0.0,
+        number_of(d, "blocking_ms") or 0.0,
+    )
+
+
 def snapshot_overhead(events: Iterable[Event]) -> dict[str, Any]:
     """Snapshots written in the window: count, bytes stored, and the time they took (``stage_ms`` in the training
     loop's way, ``total_ms`` in the background), summed from the ``snapshot`` events' data."""
-    n, stored, stage, total, blocking = 0, 0.0, 0.0, 0.0, 0.0
-    for e in events:
-        if e.type is not EventType.SNAPSHOT or e.data.get("status", "ok") != "ok":
-            continue
-        n += 1
-        stored += number_of(e.data, "bytes") or number_of(e.data, "stored_bytes") or 0.0
-        stage += number_of(e.data, "stage_ms") or 0.0
-        total += number_of(e.data, "total_ms") or 0.0
-        blocking += number_of(e.data, "blocking_ms") or 0.0
+    figures = [f for e in events if (f := snapshot_figures(e)) is not None]
+    stored, stage, total, blocking = zip(*figures, strict=True) if figures else ((), (), (), ())
+    return overhead_of(len(figures), stored, stage, total, blocking)
+
+
+def overhead_of(
+    count: int, stored: Iterable[float], stage: Iterable[float], total: Iterable[float], blocking: Iterable[float]
+) -> dict[str, Any]:
+    """``snapshot_overhead`` from the completed snapshots' figures, column by column. The sums are exact
+    (``math.fsum``), so they do not depend on the order the snapshots are summed in: ``dsec.cost.ledger`` keeps them
+    in time order, a full read in commit order."""
     return {
-        "count": n,
-        "bytes": stored,
-        "stage_s": stage / 1e3,
-        "background_s": total / 1e3,
-        "blocking_s": blocking / 1e3,
+        "count": count,
+        "bytes": math.fsum(stored),
+        "stage_s": math.fsum(stage) / 1e3,
+        "background_s": math.fsum(total) / 1e3,
+        "blocking_s": math.fsum(blocking) / 1e3,
     }
 
 
@@ -198,6 +219,10 @@ def recovery_comparison(events: Iterable[Event]) -> dict[str, Any]:
     return out
 
 
+#: A worker's segments given the times other workers took over its device (``tally`` asks once per worker).
+SegmentsOf = Callable[[WorkerRecord, Sequence[float]], Sequence[Segment]]
+
+
 def account(
     workers: Sequence[WorkerRecord],
     events: Sequence[Event],
@@ -206,21 +231,48 @@ def account(
     process: ProcessUsage | None = None,
     now: float | None = None,
 ) -> CostReport:
-    """The cost report for ``workers`` over ``window`` from ``events`` (the state events of their whole lives, the
-    window's ``snapshot`` and ``recovery`` events). Every worker's phase seconds add up to its allocated seconds in
-    the window, so each pool's (and the report's) phases add up to its total."""
+    """The cost report for ``workers`` over ``window`` from ``events`` (the state events of their whole lives,
+    ``recovery`` events among them, and the window's ``snapshot`` events). Every worker's phase seconds add up to its
+    allocated seconds in the window, so each pool's (and the report's) phases add up to its total."""
     by_worker, by_pool = _events_by_worker_and_pool(events, window)
+    return tally(
+        workers,
+        lambda w, handovers: worker_segments(w, by_worker.get(w.id, ()), window, handovers, now),
+        by_pool,
+        window,
+        price_per_device_hour,
+        process,
+    )
+
+
+def tally(
+    workers: Sequence[WorkerRecord],
+    segments_of: SegmentsOf,
+    by_pool: Mapping[str, Sequence[Event]],
+    window: Window,
+    price_per_device_hour: float = 0.0,
+    process: ProcessUsage | None = None,
+    overheads: Mapping[str, dict[str, Any]] | None = None,
+    throughput: bool = True,
+) -> CostReport:
+    """The report from each worker's segments (``segments_of``) and each pool's ``snapshot`` and ``recovery`` events
+    within the window (``by_pool``, in event order): what ``account`` computes once it has grouped its events, and
+    what ``dsec.cost.ledger`` computes from the segments it keeps between reports. ``overheads``: each pool's
+    ``snapshot_overhead``, when the caller has it already (then ``by_pool`` needs its snapshots only for the
+    throughput effects). ``throughput=False`` leaves the per-worker throughput effects out (the gauges show none of
+    them; at 10,000 workers they are most of a report's time), and says so in the notes."""
     registrations: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for w in workers:
         if w.device is not None:
             registrations[w.device].append((w.registered_at, w.id))
+    snapshots_of = _snapshots_by_worker(by_pool) if throughput else {}
     pools: dict[str, PoolCost] = {}
     no_device: list[str] = []
     unknown_progress: list[str] = []
     step_estimates = 0
     for w in workers:
         handovers = [t for t, other in registrations.get(w.device or "", ()) if other != w.id and t > w.registered_at]
-        segs = worker_segments(w, by_worker.get(w.id, ()), window, handovers, now)
+        segs = segments_of(w, handovers)
         if not segs:
             continue
         pc = pools.setdefault(w.pool, PoolCost(w.pool))
@@ -232,19 +284,35 @@ def account(
         if w.progressed is None:
             unknown_progress.append(w.id)
         step_estimates += _add_hours(pc, gc, w, segs)
-        effect = throughput_effect(w, by_pool.get(w.pool, ()), segs)
-        if effect is not None:
-            pc.throughput.append(effect)
+        if throughput:
+            effect = throughput_effect(w, snapshots_of.get((w.pool, w.id), ()), segs)
+            if effect is not None:
+                pc.throughput.append(effect)
     for name, evs in by_pool.items():
         pc = pools.setdefault(name, PoolCost(name))
-        pc.snapshots = snapshot_overhead(evs)
+        pc.snapshots = snapshot_overhead(evs) if overheads is None else {}
         pc.recoveries = recovery_comparison(evs)
+    for name, overhead in (overheads or {}).items():
+        pools.setdefault(name, PoolCost(name)).snapshots = overhead
     for pc in pools.values():
         pc.snapshots = pc.snapshots or snapshot_overhead(())
         pc.recoveries = pc.recoveries or recovery_comparison(())
     estimated = _estimated(no_device, unknown_progress, step_estimates, pools)
     notes = [PROBE_OVERHEAD_NOTE, METRIC_HISTORY_NOTE]
+    if not throughput:
+        notes.append(NO_THROUGHPUT_NOTE)
     return CostReport(window, price_per_device_hour, pools, process, estimated, notes)
+
+
+def _snapshots_by_worker(by_pool: Mapping[str, Sequence[Event]]) -> dict[tuple[str, str], list[Event]]:
+    """Each (pool, worker)'s ``snapshot`` events, grouped once: ``throughput_effect`` read the whole pool's for every
+    worker before (workers x snapshots per report: ~10^9 at 10,000 workers snapshotting every few minutes)."""
+    out: dict[tuple[str, str], list[Event]] = defaultdict(list)
+    for pool, evs in by_pool.items():
+        for e in evs:
+            if e.type is EventType.SNAPSHOT and e.worker_id is not None:
+                out[(pool, e.worker_id)].append(e)
+    return out
 
 
 def _events_by_worker_and_pool(

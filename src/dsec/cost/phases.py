@@ -30,7 +30,9 @@ from dsec.model import Event, EventType
 
 PHASES = ("useful", "degraded", "recovering", "idle")
 PROGRESS_METRICS = ("updates_total", "steps_total", "env_steps_total", "episodes_total")
-# What the state replay reads; the executor queries these over each worker's whole life.
+# What the state replay reads; the executor queries these over each worker's whole life. A launcher's ``recovery``
+# event is among them: one from before the window can end a failure that began before it (read within the window
+# only, such a worker stayed "recovering" through every later window).
 STATE_TYPES = (
     EventType.REGISTERED,
     EventType.DEREGISTERED,
@@ -40,15 +42,17 @@ STATE_TYPES = (
     EventType.BREAKER,
     EventType.RECOVERED,
     EventType.RESTORE,
+    EventType.RECOVERY,
 )
 # What is read within the window only.
-WINDOW_TYPES = (EventType.SNAPSHOT, EventType.RECOVERY)
+WINDOW_TYPES = (EventType.SNAPSHOT,)
 Z95 = 1.959963984540054
 PROBE_OVERHEAD_NOTE = "the probe reports no per-step overhead metric (dsec.telemetry declares none)"
 METRIC_HISTORY_NOTE = (
     "grad_norm / episode_return_mean: the control plane keeps only each worker's latest value, no history to split "
     "by period"
 )
+NO_THROUGHPUT_NOTE = "throughput: not computed for this report (the gauges' hourly report; GET /v1/cost has it)"
 
 
 class WindowError(InvalidInput, ValueError):
@@ -254,6 +258,18 @@ def _marks(
         marks.append((t, len(evs), "handover", True))
     marks.sort(key=lambda m: (m[0], m[1]))
     return marks
+
+
+def clip_segments(segments: Sequence[Segment], since: float, until: float) -> list[Segment]:
+    """``segments`` (as ``worker_segments`` returns them) cut to [since, until). Cutting the segments of a wider
+    window gives what ``worker_segments`` gives for the narrower one: its merges join only segments that touch, and
+    cutting separates none that touch within the cut."""
+    out = []
+    for s in segments:
+        lo, hi = max(s.start, since), min(s.end, until)
+        if hi > lo:
+            out.append(s if (lo, hi) == (s.start, s.end) else Segment(lo, hi, s.phase, s.level))
+    return out
 
 
 def _emit(out: list[Segment], a: float, b: float, phase: str, level: int, window: Window) -> None:
