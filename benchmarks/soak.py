@@ -10,7 +10,12 @@ directive every ``--directive-every`` s (each PATCH answered with the new versio
 
 1. **Soak** (``--duration`` s): the server's RSS and the batch requests' p99 per ``--window`` s. After the warm-up
    (``--warmup`` of the duration): ``rss_growth`` = (last RSS - RSS at the end of warm-up) / that RSS, and
-   ``p99_stability`` = max / min of the windows' p99.
+   ``p99_stability`` = max / min of the windows' p99. A window's p99 is a p99 only when it holds enough requests:
+   at the defaults (10,000 workers every 10 s, 1,250 per connection in batches of 500, 500 and 250: 2.4 requests a
+   second) a 60 s window holds 144, a 10 s one 24, whose "p99" is their maximum. Each window reports its
+   ``requests``; the summary adds the steady phase's p99 over all its requests (``p99_ms.steady``) and, from the
+   same latencies, the stability over 10 s windows (``p99_stability_10s``, the window of the figures before
+   2026-12-05).
 2. **Crash**: SIGKILL of the control plane under that load, a restart on the same store and port; the workers keep
    their schedule and retry a failed request with the probe's backoff (``dsec.backoff.Backoff``, 0.5 s doubling to
    ``--backoff-cap``). ``--after-kill`` s later the load stops and the benchmark checks: every acknowledged event
@@ -54,6 +59,7 @@ class Soak:
     server: ServerProcess
     blobs: list[bytes]
     lat: list[tuple[float, float]] = field(default_factory=list)  # (answered at, seconds) per batch request
+    beats: list[tuple[float, int]] = field(default_factory=list)  # (answered at, items) per batch request
     acked: set[str] = field(default_factory=set)  # texts of acknowledged events
     seen_version: dict[str, int] = field(default_factory=dict)  # worker -> highest directive version it saw
     regressions: list[str] = field(default_factory=list)
@@ -130,6 +136,7 @@ class Soak:
                     if status == 200:
                         done = time.monotonic()
                         self.lat.append((done, done - t_send))
+                        self.beats.append((done, len(groups[g])))
                         self.answered(groups[g], list(texts), answer, done)
                         break
                     if status < 500:
@@ -173,11 +180,15 @@ async def soak(args: argparse.Namespace, server: ServerProcess, tokens: list[str
             await asyncio.sleep(args.window)
             now = time.monotonic()
             lat = sorted(x for t, x in s.lat if t > now - args.window)
+            # Beats, not requests x --batch: a connection's last batch holds what is left of its workers.
+            beats = sum(n for t, n in s.beats if t > now - args.window)
             windows.append({"t_s": round(now - start, 1), "rss_mb": round(rss_mb(server.pid), 1),
-                            "p99_ms": round(percentile(lat, 99) * 1000, 1) if lat else None,
-                            "worker_beats_per_s": round(len(lat) * args.batch / args.window, 1)})  # fmt: skip
+                            "p99_ms": round(percentile(lat, 99) * 1000, 1) if lat else None, "requests": len(lat),
+                            "worker_beats_per_s": round(beats / args.window, 1)})  # fmt: skip
             print(f"soak {windows[-1]}", file=sys.stderr)
+        soaked = list(s.lat)  # the soak phase's latencies, for the summary's steady-phase figures
         s.lat.clear()
+        s.beats.clear()
         s.killed_at = time.monotonic()
         restart_s = await asyncio.to_thread(server.kill_and_restart)
         s.restarted_at = time.monotonic()
@@ -186,7 +197,7 @@ async def soak(args: argparse.Namespace, server: ServerProcess, tokens: list[str
         s.stop = True
         operator.cancel()
         await asyncio.gather(*tasks, operator, return_exceptions=True)
-    return summary(args, s, workers, windows, restart_s)
+    return summary(args, s, workers, windows, restart_s, soaked, start)
 
 
 async def change_directives(s: Soak, workers: list[Worker]) -> None:
@@ -204,11 +215,38 @@ async def change_directives(s: Soak, workers: list[Worker]) -> None:
             s.answered_versions[w.id] = max(int(d["desired_version"]), s.answered_versions.get(w.id, 0))
 
 
+def steady_latency(
+    soaked: list[tuple[float, float]], since: float, until: float, window_s: float
+) -> tuple[float | None, float | None]:
+    """The p99 (ms) of every request answered in [since, until), and max / min of its ``window_s`` windows' p99."""
+    lat = sorted(x for t, x in soaked if since <= t < until)
+    p99s = []
+    k = since
+    while k + window_s <= until + 1e-9:
+        part = sorted(x for t, x in soaked if k <= t < k + window_s)
+        if part:
+            p99s.append(percentile(part, 99))
+        k += window_s
+    overall = round(percentile(lat, 99) * 1000, 1) if lat else None
+    return overall, (round(max(p99s) / min(p99s), 2) if p99s and min(p99s) > 0 else None)
+
+
 def summary(
-    args: argparse.Namespace, s: Soak, workers: list[Worker], windows: list[dict[str, Any]], restart_s: float
+    args: argparse.Namespace,
+    s: Soak,
+    workers: list[Worker],
+    windows: list[dict[str, Any]],
+    restart_s: float,
+    soaked: list[tuple[float, float]] | None = None,
+    start: float = 0.0,
 ) -> dict[str, Any]:
-    steady = windows[int(len(windows) * args.warmup) :] or windows
+    first = int(len(windows) * args.warmup)
+    steady = windows[first:] or windows
     p99s = [w["p99_ms"] for w in steady if w["p99_ms"]]
+    # The steady phase starts where its first window starts (t_s is a window's end).
+    since = start + (windows[first]["t_s"] - args.window if windows[first:] else 0.0)
+    until = start + (windows[-1]["t_s"] if windows else 0.0)
+    steady_p99, stability_10s = steady_latency(soaked or [], since, until, 10.0)
     with admin_client(s.server) as admin:
         stored = {str(e["data"].get("msg")) for e in admin.all_events(types=["log"])}
         for wid, version in s.answered_versions.items():
@@ -223,8 +261,10 @@ def summary(
         "duration_s": args.duration,
         "rss_mb": {"after_warmup": steady[0]["rss_mb"], "end": steady[-1]["rss_mb"]},
         "rss_growth": round(steady[-1]["rss_mb"] / steady[0]["rss_mb"] - 1, 4),
-        "p99_ms": {"min": min(p99s, default=None), "max": max(p99s, default=None)},
+        "p99_ms": {"min": min(p99s, default=None), "max": max(p99s, default=None), "steady": steady_p99},
         "p99_stability": round(max(p99s) / min(p99s), 2) if p99s else None,
+        "p99_stability_10s": stability_10s,
+        "window_requests_min": min((w["requests"] for w in steady), default=None),
         "worker_beats_per_s": round(statistics.fmean([w["worker_beats_per_s"] for w in steady]), 1),
         "behind_schedule_s_max": round(s.behind_s, 2),
         "restart_s": round(restart_s, 2),
@@ -253,7 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--connections", type=int, default=8)
     ap.add_argument("--duration", type=float, default=600.0, help="seconds of soak before the crash")
     ap.add_argument("--warmup", type=float, default=0.25, help="share of the soak before RSS and p99 are judged")
-    ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--window", type=float, default=60.0, help="seconds per p99 window (see the module's docstring)")
     ap.add_argument("--after-kill", type=float, default=60.0, help="seconds of load after the restart")
     ap.add_argument("--event-ratio", type=float, default=0.01)
     ap.add_argument("--directive-every", type=float, default=1.0)

@@ -20,6 +20,7 @@ from dsec.control.state import HotState, LiveWorker
 from dsec.control.store import EventQuery, Store
 from dsec.cost import PROGRESS_METRICS, STATE_TYPES, WINDOW_TYPES, CostReport, ProcessUsage, Window, WorkerRecord
 from dsec.cost import account as account_events
+from dsec.cost.accounting import retired_records
 from dsec.cost.ledger import CostLedger
 from dsec.model import Event, EventType, WorkerState
 
@@ -50,28 +51,6 @@ def worker_record(w: LiveWorker) -> WorkerRecord:
         progressed=progressed,
         step_ms=float(step_ms) if step_ms is not None and math.isfinite(step_ms) and step_ms > 0 else None,
     )
-
-
-def retired_records(events: Sequence[Event], known: set[str], pool: str | None) -> list[WorkerRecord]:
-    """Workers whose rows retention removed, rebuilt from their ``registered`` events (their device and metrics are
-    gone: both are left unknown)."""
-    out = []
-    for e in events:
-        if e.type is EventType.REGISTERED and e.worker_id and e.worker_id not in known and e.pool:
-            if pool is not None and e.pool != pool:
-                continue
-            group = e.data.get("group")
-            out.append(
-                WorkerRecord(
-                    e.worker_id,
-                    e.pool,
-                    group if isinstance(group, str) else "default",
-                    e.ts,
-                    devices=None,
-                    progressed=None,
-                )
-            )
-    return out
 
 
 def read_events(

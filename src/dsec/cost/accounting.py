@@ -219,6 +219,28 @@ def recovery_comparison(events: Iterable[Event]) -> dict[str, Any]:
     return out
 
 
+def retired_records(events: Sequence[Event], known: set[str], pool: str | None) -> list[WorkerRecord]:
+    """Workers whose rows retention removed, rebuilt from their ``registered`` events (their device and metrics are
+    gone: both are left unknown)."""
+    out = []
+    for e in events:
+        if e.type is EventType.REGISTERED and e.worker_id and e.worker_id not in known and e.pool:
+            if pool is not None and e.pool != pool:
+                continue
+            group = e.data.get("group")
+            out.append(
+                WorkerRecord(
+                    e.worker_id,
+                    e.pool,
+                    group if isinstance(group, str) else "default",
+                    e.ts,
+                    devices=None,
+                    progressed=None,
+                )
+            )
+    return out
+
+
 #: A worker's segments given the times other workers took over its device (``tally`` asks once per worker).
 SegmentsOf = Callable[[WorkerRecord, Sequence[float]], Sequence[Segment]]
 

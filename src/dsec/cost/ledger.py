@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dsec.cost.accounting import CostReport, ProcessUsage, overhead_of, snapshot_figures, tally
+from dsec.cost.accounting import CostReport, ProcessUsage, overhead_of, retired_records, snapshot_figures, tally
 from dsec.cost.phases import STATE_TYPES, WINDOW_TYPES, Segment, Window, WorkerRecord, clip_segments, worker_segments
 from dsec.model import Event, EventType
 
@@ -139,18 +139,7 @@ class CostLedger:
             )
         until = min(window.until, now)
         known = {w.id for w in live}
-        retired = [
-            WorkerRecord(
-                e.worker_id,
-                e.pool,
-                group if isinstance(group := e.data.get("group"), str) else "default",
-                e.ts,
-                devices=None,
-                progressed=None,
-            )
-            for e in self._registered
-            if e.worker_id is not None and e.worker_id not in known and e.pool and state_since <= e.ts < until
-        ]
+        retired = retired_records([e for e in self._registered if state_since <= e.ts < until], known, None)
         workers = [*live, *retired]
 
         def segments_of(w: WorkerRecord, handovers: Sequence[float]) -> Sequence[Segment]:
