@@ -57,6 +57,7 @@ interrupted (Ctrl-C, SIGTERM); every process and server the benchmark started is
 
     python benchmarks/chaos_real.py [--duration 75] [--seed 1] [--quick] [--warm]
     python benchmarks/chaos_real.py --scenario bandwidth [--rate-mbit 2] [--duration 60]   # a real slow link
+    python benchmarks/chaos_real.py --scenario memory [--duration 150]   # quotas on/off, two ranks on one card
 """
 
 from __future__ import annotations
@@ -780,9 +781,15 @@ def main(argv: list[str] | None = None) -> int:
         from chaos_bandwidth import main as bandwidth
 
         return bandwidth(argv[2:])
+    if argv[:1] == ["--scenario"] and argv[1:2] == ["memory"]:
+        # Memory quotas on real processes sharing a (stand-in) card: its own options, see chaos_memory.py.
+        from chaos_memory import main as memory
+
+        return memory(argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", choices=("faults", "bandwidth"), default="faults",
-                    help="faults (this docstring) or bandwidth (chaos_bandwidth.py; give it first)")  # fmt: skip
+    ap.add_argument("--scenario", choices=("faults", "bandwidth", "memory"), default="faults",
+                    help="faults (this docstring), bandwidth (chaos_bandwidth.py) or memory (chaos_memory.py); "
+                         "give it first")  # fmt: skip
     ap.add_argument("--duration", type=float, default=75.0, help="training seconds per run (from training start)")
     ap.add_argument("--seed", type=int, default=1, help="the example's seed and the straggler delays' draw")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (--duration 30)")

@@ -334,3 +334,37 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def torch_probe(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[dict[str, str | None]], Any]]:
+    """Makes probes with torch instrumented, from environment settings (None: unset); each is closed and its hooks
+    removed at the end of the test."""
+    import torch
+
+    from dsec.probe.config import ProbeConfig
+    from dsec.probe.runtime import Probe
+    from dsec.probe.torch_hooks import TorchInstrumentation
+
+    made: list[Probe] = []
+
+    def make(env: dict[str, str | None]) -> Probe:
+        for key, value in env.items():
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
+        # Nothing listens on port 9: the reporter retries in the background, the hooks work regardless.
+        cfg = ProbeConfig.from_env({"DSEC_ENDPOINT": "http://127.0.0.1:9", "DSEC_SANDBOX_ID": "p"})
+        assert cfg is not None
+        p = Probe(cfg)
+        inst = TorchInstrumentation(p)
+        inst.install(torch)
+        p.torch = inst
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+        p.uninstall()

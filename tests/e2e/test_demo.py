@@ -28,6 +28,7 @@ SCENES = (
     "healing",
     "actor restart",
     "degraded device",
+    "memory quotas",
     "training processes finished cleanly",
     "simulator",
 )

@@ -31,13 +31,14 @@ from dsec.control.app import create_app
 from dsec.control.judge import JudgeConfig
 from dsec.control.server import ServerThread
 from dsec.control.settings import Settings
+from dsec.demo import memory as memory_phase
 from dsec.demo import observe as observe_scenes
 from dsec.demo import recovery as recovery_phase
 from dsec.demo import simulation as simulation_scene
 from dsec.demo import snapshots as snapshot_scenes
 from dsec.demo.processes import ppo_result, spawn
 from dsec.demo.scenes import CHAOS_ACTOR, HEADLINE_METRICS, SCENES, Scene, chaos_for_learners
-from dsec.demo.state import ACTOR_POOL, HEARTBEAT_S, POOL, DemoRun, Proc
+from dsec.demo.state import ACTOR_POOL, HEARTBEAT_S, MEMORY_POOL, POOL, DemoRun, Proc
 from dsec.demo.summary import summary
 from dsec.render import events_table, pools_table, workers_table
 
@@ -199,6 +200,14 @@ def _restart_and_heal(
     )
     scenes_ok["degraded device: only the env runner on it moves (the other pinned in place)"] = (
         recovery_phase.actor_moved(run, actors)
+    )
+    run.console.print(
+        "a learner whose memory climbs slowly on a shared card (stand-in) meets its quota's ceiling: drained before "
+        "the cap"
+    )
+    memory = memory_phase.memory_drain(run, MEMORY_POOL, run.state["endpoint"], home)
+    scenes_ok["memory quotas: a slow climb into its ceiling -> drained (snapshot, stop, restart from it), no OOM"] = (
+        memory_phase.drained(run, memory)
     )
     scenes_ok["training processes finished cleanly"] = learners_ok
 

@@ -14,6 +14,7 @@ from dsec.client import Client
 
 POOL = "pool-0"
 ACTOR_POOL = "pool-1"  # the actor-restart scene's job (two devices of its own: a device runs one worker)
+MEMORY_POOL = "pool-2"  # the memory-drain scene's learner
 HEARTBEAT_S = 0.25
 
 

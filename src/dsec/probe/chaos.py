@@ -164,6 +164,8 @@ class Chaos:
         self._announced: dict[int, int | None] = {}
         self._ballast: list[bytes] = []
         self._ballast_mb = 0.0
+        # False where the growth is device memory (a fake card counts it; dsec.probe.fake_card): no host pages.
+        self.touch_pages = True
         self._target_mb = 0.0  # fractional MB owed: polls faster than 1 MB per poll must still add up
         self._grown_at: float | None = None
         self._delayed: dict[int, int] = {}  # fault index -> syncs it delayed
@@ -263,8 +265,9 @@ class Chaos:
             self._grown_at = now
             add = int(self._target_mb - self._ballast_mb)
             if add >= 1:
-                # Touched pages, not a zero-filled allocation: resident memory really grows.
-                self._ballast.append(b"\x5a" * (add << 20))
+                if self.touch_pages:
+                    # Touched pages, not a zero-filled allocation: resident memory really grows.
+                    self._ballast.append(b"\x5a" * (add << 20))
                 self._ballast_mb += add
 
     @property

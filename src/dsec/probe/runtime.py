@@ -22,8 +22,10 @@ from dsec.probe import importhook
 from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
+from dsec.probe.fake_card import FakeCard, FakeCardError
 from dsec.probe.healing import Healing
 from dsec.probe.memory import MemoryTrend, memory_metrics
+from dsec.probe.recycle import ClimbWatch, MemoryRecycle
 from dsec.probe.replicas import ReplicaGuard
 from dsec.probe.reporter import Reporter
 from dsec.probe.roles import AUTO, RoleInference
@@ -62,6 +64,21 @@ class Probe:
             self.chaos = Chaos.from_env(os.environ.get("DSEC_CHAOS"), rank=lambda: self._rank)
         except ChaosError as exc:
             log.error("dsec: fault injection disabled: %s", exc)
+        # The stand-in for a shared card's memory (dsec.probe.fake_card), where no GPU is: allocations at optimizer
+        # steps, OOMs in this process, the memory figure reported is what it holds on that card.
+        self.fake_card: FakeCard | None = None
+        try:
+            self.fake_card = FakeCard.from_env(os.environ.get("DSEC_FAKE_CARD"))
+        except FakeCardError as exc:
+            log.error("dsec: fake card disabled: %s", exc)
+        self.climb = ClimbWatch(horizon_s=_env_float("DSEC_MEMORY_RECYCLE_HORIZON_S", 2.0))
+        self._recycle: tuple[float, float | None, float | None] | None = None  # due: (held, limit, slope)
+        self._recycle_failed = False
+        if self.fake_card is not None:
+            card = self.fake_card
+            self.memory_source = lambda: {telemetry.MEMORY_USED_GB.name: card.held_gb}
+            if self.chaos is not None:
+                self.chaos.touch_pages = False  # memory growth is the card's (device memory), not host pages
 
     # -- instrumentation ------------------------------------------------------------------------------
     def install(self) -> None:
@@ -156,6 +173,47 @@ class Probe:
         self.event(
             "directive_unappliable", urgent=True, field=name, version=version, requested=requested, reason=reason
         )
+
+    def device_memory_step(self) -> None:
+        """Before an optimizer step of the training code: with a fake card, hold what this step needs on it (its
+        base plus the memory growth injected so far) under the allocator limit in force; the card's out-of-memory
+        error is reported (urgent ``log`` event) and raised into the training code, as CUDA's would be. Then watch
+        the climb toward that limit (dsec.probe.recycle)."""
+        card = self.fake_card
+        if card is None:
+            return
+        want = card.spec.base_gb + (self.chaos.ballast_mb / 1024.0 if self.chaos is not None else 0.0)
+        limit = self.actuators.allocator_limit_gb()
+        try:
+            card.hold(want, limit)
+        except RuntimeError as exc:
+            self.event("log", urgent=True, oom=str(exc), want_gb=round(want, 3), held_gb=round(card.held_gb, 3),
+                       limit_gb=limit)  # fmt: skip
+            raise
+        cap = limit if card.spec.obey_limits else None  # an allocator nobody caps has no limit to drain before
+        self.climb.observe(time.monotonic(), card.held_gb)
+        if not self._recycle_failed and self.climb.due(cap, self.actuators.memory_ceiling_gb):
+            self._recycle = (card.held_gb, cap, self.climb.slope_gb_per_s())
+
+    def after_optimizer_step(self) -> None:
+        """After an optimizer step of the training code: when the climb is due to be recycled, write a snapshot of
+        the state now and stop the process (:class:`MemoryRecycle`); the supervisor restarts it from that snapshot.
+        Without a snapshot to restart from, the process runs on (and meets its limit as before)."""
+        if self._recycle is None:
+            return
+        held, limit, slope = self._recycle
+        self._recycle = None
+        seq = self.snapshots.take_final("memory_recycle") if self.snapshots is not None else None
+        if seq is None:
+            self._recycle_failed = True
+            log.warning("dsec: memory climbs into its limit (%.2f of %s GB) but no snapshot could be written; "
+                        "running on", held, limit)  # fmt: skip
+            return
+        message = (f"memory recycle: {held:.2f} GB held, climbing {slope or 0.0:.3f} GB/s into its final allocator "
+                   f"limit {limit} GB; snapshot {seq} written, the process stops to be restarted from it")  # fmt: skip
+        self.event("log", urgent=True, memory_recycle=message, held_gb=round(held, 3), limit_gb=limit,
+                   slope_gb_per_s=slope, snapshot=seq)  # fmt: skip
+        raise MemoryRecycle(message)
 
     def _collect(self) -> dict[str, float]:
         if self.chaos is not None:
@@ -283,6 +341,15 @@ class Probe:
     def inc(self, name: str, n: float = 1.0) -> None:
         if self._reporter is not None:
             self._reporter.inc(name, n)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        log.error("dsec: %s=%r is not a number; %g applies", name, raw, default)
+        return default
 
 
 def _env_rank() -> int:

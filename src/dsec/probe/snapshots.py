@@ -181,6 +181,18 @@ class ProbeSnapshots:
             requests, self._requests = tuple(self._requests), []
             snap.take(step=self.steps, requests=requests)
 
+    def take_final(self, request: str, timeout_s: float = 60.0) -> int | None:
+        """A snapshot of the state after the last optimizer step, published before this returns (the process is about
+        to stop: nothing would take a queued one later). Its sequence number; None when nothing was trained here, there
+        is no snapshot store, or it was not published within ``timeout_s``."""
+        snap = self.snapshotter
+        if snap is None or not self._trained or not snap.wait_idle(timeout_s):
+            return None
+        ticket = snap.take(step=self.steps, request=request)
+        if not ticket.wait(timeout_s) or ticket.error is not None:
+            return None
+        return ticket.seq
+
     def _restore(self) -> bool:
         request, self.restore_request = self.restore_request, None
         snap = self.snapshotter

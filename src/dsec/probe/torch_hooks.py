@@ -266,6 +266,8 @@ class TorchInstrumentation:
                 if what == "step":
                     inst.probe.telemetry.record_skipped_update()
                 return None
+            if what == "step":
+                inst.probe.device_memory_step()  # a fake card's allocation; its OOM reaches the training code
             if what == "step" and inst._snapshots("before_step"):
                 return None  # restored just now: this step's gradient belongs to the weights before the restore
             if what == "step" and inst.probe.healing is not None:
@@ -332,6 +334,7 @@ class TorchInstrumentation:
             self._trace_step()
         self.probe.replicas.after_step()
         self._snapshots("after_step", self._group_snapshot_agreed())
+        self.probe.after_optimizer_step()  # may stop the process after a snapshot (dsec.probe.recycle)
 
     def _group_snapshot_agreed(self) -> bool | None:
         """None when no multi-rank comm hook of ours carries the group's agreement (snapshots on a timer); else

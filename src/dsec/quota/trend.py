@@ -72,10 +72,15 @@ def observe_arrays(
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """(t, used, ramp, peak, peak_t, burst_t) after a reading ``new_used`` at ``now``, element-wise over numpy
     arrays (the simulator's workers) or scalars (MemoryTrend). Rates are growth only (>= 0): shrinking usage is the idle
-    reclaim's business, through the peak. A reading too close to the last one updates the peak, not the ramp."""
+    reclaim's business, through the peak; growth from 0 GB held is a start, no rate. A reading too close to the last one
+    updates the peak, not the ramp."""
     dt = now - np.asarray(t, dtype=float)
     fresh = dt >= MIN_DT_S
     rate = np.maximum(0.0, (np.asarray(new_used, dtype=float) - used) / np.where(fresh, dt, 1.0))
+    # Growth from nothing held is a process starting (its first allocations: model, optimizer, cache), not a burst:
+    # counted as one, it let a new worker's limit run past the ceiling for the whole burst hold (a leak in its
+    # first minutes was not stopped there; benchmarks/chaos_memory.py).
+    rate = np.where(np.asarray(used, dtype=float) > 0, rate, 0.0)
     new_ramp = np.where(fresh, RAMP_WEIGHT * rate + (1 - RAMP_WEIGHT) * np.asarray(ramp, dtype=float), ramp)
     new_ramp = np.where(new_ramp < RAMP_FLOOR_GB_PER_S, 0.0, new_ramp)
     reset = (np.asarray(new_used) >= peak) | (fresh & (now - np.asarray(peak_t, dtype=float) > hold_s))

@@ -531,6 +531,21 @@ def test_only_a_burst_runs_a_limit_past_the_ceiling_and_an_idle_grant_comes_back
     assert all("memory_quota_gb" not in c.patch for c in no_trend)
 
 
+def test_a_burst_runs_past_the_pools_ceiling_that_every_worker_registers_with() -> None:
+    # Registration gives every worker the pool's ceiling in its fields (DirectiveFields.for_pool): that is no
+    # ceiling of its own, so a burst still runs into free memory; one lowered for the worker stays a hard bound.
+    pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    burst = {"w0": MemoryTrend(t=3.0, used_gb=15.0, ramp_gb_per_s=1.0, peak_gb=15.0, peak_t=3.0, burst_t=3.0)}
+    fields = DirectiveFields.for_pool(pool)
+    assert fields.memory_ceiling_gb == 16.0
+    ws = [view(0, metrics={"memory_used_gb": 15.0}, memory_quota_gb=16.0, memory_ceiling_gb=16.0)]
+    (change,) = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, trends=burst, device_gb=20.0).changes
+    assert change.patch["memory_limit_gb"] == 20.0
+    lowered = [view(0, metrics={"memory_used_gb": 15.0}, memory_quota_gb=14.0, memory_ceiling_gb=14.0)]
+    (change,) = plan_pool_quotas(pool, 40.0, lowered, QuotaConfig(), 3.0, trends=burst, device_gb=20.0).changes
+    assert change.patch["memory_limit_gb"] == 14.0
+
+
 def test_a_limit_only_change_has_an_empty_reason() -> None:
     pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
     ws = [view(0, metrics={"memory_used_gb": 1.0}, memory_quota_gb=8.0)]

@@ -45,6 +45,14 @@ def test_a_trend_is_a_burst_only_for_a_steep_ramp_and_for_a_while() -> None:
     assert burst.bursting(4.0) and burst.bursting(250.0) and not burst.bursting(400.0)
 
 
+def test_a_process_filling_its_working_set_from_nothing_is_starting_not_bursting() -> None:
+    # A worker registers before its first allocation (0 GB), then holds its model and cache (10 GB) a beat later.
+    start = MemoryTrend.first(0.0, 0.0).observe(10.0, 1.0)
+    assert start.ramp_gb_per_s == 0.0 and not start.bursting(1.0) and start.peak_gb == 10.0
+    burst = start.observe(11.0, 3.0).observe(12.0, 5.0)  # then 0.5 GB/s: a burst
+    assert burst.bursting(5.0)
+
+
 def test_a_limit_never_exceeds_the_device_nor_a_lowered_worker_ceiling() -> None:
     ws = [WorkerMemory("a", 1.0, 16.0, bursting=True), WorkerMemory("b", 1.0, 16.0, ceiling_gb=18.0, bursting=True)]
     result = plan(2 * CARD, BASE, CEILING, ws, device_gb=CARD)

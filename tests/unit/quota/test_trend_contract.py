@@ -78,7 +78,8 @@ def test_a_ramp_at_exactly_the_floor_is_kept() -> None:
     # RAMP_WEIGHT is 0.5: a ramp at the floor averaged with a fresh rate at the floor is the floor itself, exactly;
     # only a ramp below it is taken for noise (written against a survivor: `<` -> `<=`)
     floor = RAMP_FLOOR_GB_PER_S
-    _, _, ramp, *_ = observe_arrays(0.0, 0.0, floor, 0.0, 0.0, floor, 1.0)
+    # (From a held amount x to 2x: the difference is x exactly; from 0 GB it would be a start, no rate.)
+    _, _, ramp, *_ = observe_arrays(0.0, floor, floor, 0.0, 0.0, 2 * floor, 1.0)
     assert float(ramp) == floor
-    _, _, below, *_ = observe_arrays(0.0, 0.0, floor / 2, 0.0, 0.0, floor / 2, 1.0)
+    _, _, below, *_ = observe_arrays(0.0, floor / 2, floor / 2, 0.0, 0.0, floor, 1.0)
     assert float(below) == 0.0

@@ -1,0 +1,105 @@
+"""Demo phase for memory quotas: a learner whose memory climbs slowly on a shared card (the probe's stand-in,
+dsec.probe.fake_card) meets its quota's ceiling and is drained before the cap — a snapshot at the last step that fits,
+a planned stop, a restart from that snapshot — instead of dying of an out-of-memory error (dsec.probe.recycle).
+
+The pool's ceiling is set one grid step above its base for the scene (7 -> 8 GB on an 80 GB card), so that a climb
+slower than a burst (0.045 GB/s; the control plane stops those at the ceiling) reaches it within seconds."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.launch.jobfile import JobFile
+from dsec.launch.local import LocalLauncher
+from dsec.launch.supervisor import Recovery, Supervisor
+
+if TYPE_CHECKING:
+    from dsec.demo import DemoRun
+
+CARD_GB, BASE_GB, CEILING_GB = 80.0, 7.0, 8.0
+HELD_GB = 7.5  # what the learner holds from its first step: over 85 % of its base grant, so it grows to the ceiling
+CLIMB_MB_PER_S = 46  # 0.045 GB/s: below the 0.05 GB/s of a burst
+CLIMB_AFTER_S = 4.0  # after training starts: the limit at the ceiling is in force by then (quota plans every 2 s)
+
+
+def memory_drain(run: DemoRun, pool: str, endpoint: str, home: Path) -> dict[str, Any]:
+    """One learner under the supervisor in ``pool`` (the pool's ceiling lowered for the scene, restored after): wait
+    for its drain and for the restarted process to restore and train; what happened, for :func:`drained`."""
+    spec = run.client.request("GET", f"/v1/pools/{pool}")
+    kept = {k: v for k, v in spec.items() if k != "name"}
+    run.client.put_pool(pool, **{**kept, "memory_base_gb": BASE_GB, "memory_ceiling_gb": CEILING_GB})
+    stop = home / "memory-stop"
+    card = f"path={home / 'card-memory'},memory_gb={CARD_GB:g},base_gb={HELD_GB:g}"
+    job = JobFile.model_validate(
+        {
+            "job": "demo-memory",
+            "pool": pool,
+            "snapshots": {"dir": str(home / "snapshots-memory"), "interval_s": 2, "cadence": "fixed"},
+            "restart": {"max_restarts": 2, "resume_timeout_s": 30},
+            "groups": [
+                {
+                    "name": "climber",
+                    "world_size": 1,
+                    "memory_gb": BASE_GB,
+                    "env": {"DSEC_HEARTBEAT_INTERVAL": "0.5", "DSEC_FAKE_CARD": card,
+                            "DSEC_CHAOS": f"memory_growth_mb_per_s={CLIMB_MB_PER_S},max_mb=8192,"
+                                          f"after_s={CLIMB_AFTER_S:g}"},
+                    "command": [sys.executable, "-m", "dsec.demo.workload", "120", "--learn", "--pause", "0.01",
+                                "--stop-file", str(stop)],
+                }
+            ],
+        }
+    )  # fmt: skip
+    launcher = LocalLauncher(log_dir=home / "launch-memory")
+    recoveries: list[Recovery] = []
+    sup = Supervisor(job, launcher, client=run.client, endpoint=endpoint, pool_token=run.client.create_token(pool),
+                     poll_s=0.05, on_recovery=recoveries.append)  # fmt: skip
+    t0 = time.time()
+
+    def logs() -> list[dict[str, Any]]:
+        return [e["data"] for e in run.client.all_events(pool=pool, types=["log"], since=t0)]
+
+    def restored() -> list[dict[str, Any]]:
+        evs = run.client.all_events(pool=pool, types=["restore"], since=t0)
+        return [e["data"] for e in evs if e["data"].get("status") == "ok"]
+
+    out: dict[str, Any] = {}
+    try:
+        sup.start()
+        deadline = time.time() + 60
+        while time.time() < deadline and not (recoveries and restored()):
+            sup.step()
+            time.sleep(0.05)
+        out["recycles"] = [d for d in logs() if "memory_recycle" in d]
+        out["ooms"] = [d for d in logs() if "oom" in d]
+        out["restores"] = restored()
+        out["recovery"] = recoveries[0].timings() if recoveries else None
+        out["seconds"] = round(time.time() - t0, 1)
+        stop.touch()
+        out["finished"] = sup.run(timeout_s=20)
+    finally:
+        sup.stop()
+        run.client.put_pool(pool, **kept)
+    return out
+
+
+def drained(run: DemoRun, m: dict[str, Any]) -> bool:
+    recycles, restores = m.get("recycles") or [], m.get("restores") or []
+    if not recycles:
+        run.notes.append(f"memory drain: no drain before the cap ({len(m.get('ooms') or [])} OOMs)")
+        return False
+    r = recycles[0]
+    seq = r.get("snapshot")
+    back = [d for d in restores if str(d.get("id", "")).rsplit("/", 1)[-1] == str(seq)]
+    ooms = len(m.get("ooms") or [])
+    where = f"its limit at the ceiling ({r.get('limit_gb')} GB)"
+    what = f"snapshot {seq} written, process stopped, restarted from it ({'restored' if back else 'not restored'})"
+    slope = r.get("slope_gb_per_s") or 0.0
+    run.notes.append(
+        f"memory climbing {slope:.3f} GB/s into {where}: drained at {r.get('held_gb')} GB held; {what}; "
+        f"{ooms} OOMs; {m.get('seconds')} s"
+    )
+    return bool(back) and not m.get("ooms") and bool(m.get("finished"))
