@@ -68,6 +68,8 @@ from chaos_real import (
     Trace,
     account,
     base_env,
+    published_snapshots,
+    restore_records,
     script_args,
     tail,
 )
@@ -172,22 +174,14 @@ def run(limits: str, recycle_s: float, work: Path, args: argparse.Namespace) -> 
         workers = client.workers(pool=POOL)
         events = client.all_events(pool=POOL)
         group_of = {w["id"]: w.get("group") for w in workers}
+        records = restore_records(events, {w["id"]: int(w["rank"]) for w in workers}, published_snapshots(events))
         out: dict[str, Any] = {}
         for g in GROUPS:
             tr = traces[g]
             assert tr.t0 is not None
             tr.end = tr.t0 + args.duration
             ids = {wid for wid, grp in group_of.items() if grp == g}
-            snaps = {e["data"]["id"]: e for e in events
-                     if e["type"] == "snapshot" and e["data"].get("status") == "ok" and "id" in e["data"]}  # fmt: skip
-            restores = []
-            for e in events:
-                if e["type"] == "restore" and e["worker_id"] in ids:
-                    snap = snaps.get(str(e["data"].get("id")))
-                    taken = None if snap is None else float(snap["ts"]) - float(snap["data"].get("total_ms") or 0) / 1e3
-                    restores.append({"ts": float(e["ts"]), "rank": 0, "status": e["data"].get("status"),
-                                     "id": e["data"].get("id"), "step": e["data"].get("step"),
-                                     "restore_s": e["data"].get("restore_s"), "snapshot_taken_at": taken})  # fmt: skip
+            restores = [r for r in records if r["worker_id"] in ids]  # each group is one rank, rank 0
             acc = account(tr, Schedule(args.duration, args.duration, "", []), {"restores": restores}, args.num_steps)
             kinds = stops(logs, g)
             quota = [e["data"] for e in events if e["type"] == "quota" and e["worker_id"] in ids]

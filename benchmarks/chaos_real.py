@@ -512,21 +512,8 @@ class DsecRun:
         rank_of = {w["id"]: int(w["rank"]) for w in workers}
         for w in workers:
             w["peak_memory_gb"] = self.peak_memory.get(w["id"], 0.0)
-        snaps = {
-            e["data"]["id"]: e
-            for e in events
-            if e["type"] == "snapshot" and e["data"].get("status") == "ok" and "id" in e["data"]
-        }
-        restores: list[dict[str, Any]] = []
-        for e in events:
-            if e["type"] != "restore":
-                continue
-            d = e["data"]
-            snap = snaps.get(str(d.get("id")))
-            taken = None if snap is None else float(snap["ts"]) - float(snap["data"].get("total_ms") or 0.0) / 1e3
-            restores.append({"ts": float(e["ts"]), "rank": rank_of.get(e["worker_id"] or ""), "status": d.get("status"),
-                             "id": d.get("id"), "step": d.get("step"), "restore_s": d.get("restore_s"),
-                             "snapshot_taken_at": taken})  # fmt: skip
+        snaps = published_snapshots(events)
+        restores = restore_records(events, rank_of, snaps)
         breaker = [e for e in events if e["type"] in ("meltdown", "breaker", "recovered")]
         levels = [int(e["data"].get("level_to") or 0) for e in breaker]
         meltdown_ranks = sorted(rank_of.get(e["worker_id"] or "", -1) for e in events if e["type"] == "meltdown")
@@ -595,6 +582,33 @@ class Trace:
     kills: list[float] = dataclasses.field(default_factory=list)
     launched_at: float = 0.0
     end: float = 0.0
+
+
+def published_snapshots(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The ``snapshot`` events of snapshots that were published, by snapshot id."""
+    return {
+        e["data"]["id"]: e
+        for e in events
+        if e["type"] == "snapshot" and e["data"].get("status") == "ok" and "id" in e["data"]
+    }
+
+
+def restore_records(
+    events: list[dict[str, Any]], rank_of: dict[str, int], snaps: dict[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each ``restore`` event, with its worker's rank and when the snapshot it restored was taken (its publication
+    minus its total time; None when that snapshot's event is not in ``snaps``), as ``account`` reads them."""
+    restores: list[dict[str, Any]] = []
+    for e in events:
+        if e["type"] != "restore":
+            continue
+        d = e["data"]
+        snap = snaps.get(str(d.get("id")))
+        taken = None if snap is None else float(snap["ts"]) - float(snap["data"].get("total_ms") or 0.0) / 1e3
+        restores.append({"ts": float(e["ts"]), "worker_id": e["worker_id"], "rank": rank_of.get(e["worker_id"] or ""),
+                         "status": d.get("status"), "id": d.get("id"), "step": d.get("step"),
+                         "restore_s": d.get("restore_s"), "snapshot_taken_at": taken})  # fmt: skip
+    return restores
 
 
 def drive(run: BaselineRun | DsecRun, sched: Schedule, tr: Trace) -> Trace:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsec.demo.recovery import _wait
 from dsec.launch.jobfile import JobFile
 from dsec.launch.local import LocalLauncher
 from dsec.launch.supervisor import Recovery, Supervisor
@@ -69,10 +70,7 @@ def memory_drain(run: DemoRun, pool: str, endpoint: str, home: Path) -> dict[str
     out: dict[str, Any] = {}
     try:
         sup.start()
-        deadline = time.time() + 60
-        while time.time() < deadline and not (recoveries and restored()):
-            sup.step()
-            time.sleep(0.05)
+        _wait(sup, lambda: recoveries and restored(), 60)
         out["recycles"] = [d for d in logs() if "memory_recycle" in d]
         out["ooms"] = [d for d in logs() if "oom" in d]
         out["restores"] = restored()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.errors import InvalidInput
+from dsec.fsutil import write_atomic
 
 KEYS = ("path", "memory_gb", "base_gb", "limits")
 
@@ -142,15 +143,15 @@ class FakeCard:
                 before = dict(rows)
                 yield rows
                 if rows != before:
-                    tmp = path.with_name(f"{path.name}.{self.pid}.tmp")
-                    tmp.write_text(json.dumps({str(p): gb for p, gb in rows.items()}))
-                    os.replace(tmp, path)
+                    write_atomic(path, json.dumps({str(p): gb for p, gb in rows.items()}).encode())
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def hold(self, want_gb: float, limit_gb: float | None) -> None:
         """Make this process hold ``want_gb`` on the card. Growth past ``limit_gb`` (when limits are obeyed) or past
         the card's memory raises the allocator's out-of-memory error and changes nothing; shrinking always works."""
+        if want_gb == self.held_gb:
+            return  # nothing to allocate or free (most optimizer steps): the card's file is not read
         with self._lock, self._locked_rows() as rows:
             for pid in [p for p in rows if p != self.pid and not _alive(p)]:
                 del rows[pid]  # the driver released a dead process's memory
