@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -346,10 +347,13 @@ class Probe:
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     try:
-        return float(raw) if raw else default
+        value = float(raw) if raw else default
     except ValueError:
-        log.error("dsec: %s=%r is not a number; %g applies", name, raw, default)
+        value = math.nan
+    if not math.isfinite(value):  # 'nan' / 'inf' parse, and would turn a horizon off or make every climb due
+        log.error("dsec: %s=%r is not a finite number; %g applies", name, raw, default)
         return default
+    return value
 
 
 def _env_rank() -> int:

@@ -111,3 +111,10 @@ def test_without_a_cap_or_without_snapshots_the_climb_runs_into_its_oom_as_befor
     _, stopped = _train(make_probe(limits=limits, snapshots=snapshots), 10.0)
     assert isinstance(stopped, torch.OutOfMemoryError), stopped
     assert fails_at in str(stopped)
+
+
+@pytest.mark.parametrize(("raw", "horizon"), [("0.5", 0.5), ("0", 0.0), ("abc", 2.0), ("inf", 2.0), ("nan", 2.0)])
+def test_the_horizon_setting_takes_a_finite_number_and_falls_back_on_anything_else(
+    torch_probe: Callable[[dict[str, str | None]], Probe], raw: str, horizon: float
+) -> None:
+    assert torch_probe({"DSEC_MEMORY_RECYCLE_HORIZON_S": raw}).climb.horizon_s == horizon
