@@ -75,17 +75,12 @@ def plan_pool_quotas(
     members = []
     for w in workers:
         trend = trends.get(w.id)
-        # A worker's own ceiling counts only where it is below the pool's (lowered for it: stuck episodes). Every
-        # worker registers with the pool's ceiling in its fields; passing that as its own made it a hard bound for
-        # every worker, so no burst ever ran past the ceiling into free memory on the server (the simulator, which
-        # passes None, did), and a burst the card had room for failed at the ceiling.
-        own = w.fields.memory_ceiling_gb
         members.append(
             WorkerMemory(
                 w.id,
                 finite(w.metrics, "memory_used_gb"),
                 w.fields.memory_quota_gb or pool.memory_base_gb,
-                own if own is not None and own < pool.memory_ceiling_gb else None,
+                w.fields.memory_ceiling_gb,
                 ramp_gb_per_s=trend.ramp_gb_per_s if trend else 0.0,
                 recent_peak_gb=trend.peak_gb if trend else None,
                 limit_gb=w.fields.memory_limit_gb,

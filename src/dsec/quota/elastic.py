@@ -109,7 +109,8 @@ class WorkerMemory:
     worker_id: str
     used_gb: float | None
     quota_gb: float
-    # The worker's own ceiling when lower than the pool's (e.g. lowered for stuck episodes); None: the pool's.
+    # The worker's own ceiling when lower than the pool's (e.g. lowered for stuck episodes); None, or one at or above
+    # the pool's (what every worker registers with): the pool's.
     ceiling_gb: float | None = None
     # Observed growth of ``used_gb`` (GB/s, >= 0) and the highest usage over the caller's recent window (None: not
     # tracked: no idle reclaim). See MemoryTrend.
@@ -341,7 +342,11 @@ def _limits(
             continue
         q = quota[w.worker_id]
         limit = min(card, max(q, usable - (total_held - used)))
-        if not w.bursting or w.ceiling_gb is not None:
+        # A ceiling of the worker's own binds only below the pool's: every worker registers with the pool's ceiling in
+        # its directive fields, and counting that as its own stopped every burst there (the server passed it, the
+        # simulator passes None; until 2026-12-06 no burst ran past the ceiling on the server).
+        lowered = w.ceiling_gb is not None and w.ceiling_gb < ceiling_gb
+        if not w.bursting or lowered:
             # Past the ceiling only for a burst: a slow leak stops there (fails early, alone, and placement
             # learns its card); a ceiling lowered for this worker (stuck episodes) is a hard bound.
             own = ceiling_gb if w.ceiling_gb is None else min(ceiling_gb, w.ceiling_gb)

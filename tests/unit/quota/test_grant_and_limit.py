@@ -45,6 +45,14 @@ def test_a_trend_is_a_burst_only_for_a_steep_ramp_and_for_a_while() -> None:
     assert burst.bursting(4.0) and burst.bursting(250.0) and not burst.bursting(400.0)
 
 
+def test_a_workers_ceiling_binds_a_burst_only_below_the_pools() -> None:
+    # Every worker registers with the pool's ceiling in its fields: that is no ceiling of its own.
+    registered = WorkerMemory("a", 25.0, CEILING, ceiling_gb=CEILING, bursting=True)
+    lowered = WorkerMemory("a", 25.0, CEILING - 2, ceiling_gb=CEILING - 2, bursting=True)
+    assert plan(CARD, BASE, CEILING, [registered]).limit_changes == {"a": CARD}
+    assert plan(CARD, BASE, CEILING, [lowered]).limit_changes == {"a": CEILING - 2}
+
+
 def test_a_process_filling_its_working_set_from_nothing_is_starting_not_bursting() -> None:
     # A worker registers before its first allocation (0 GB), then holds its model and cache (10 GB) a beat later.
     start = MemoryTrend.first(0.0, 0.0).observe(10.0, 1.0)
