@@ -2,7 +2,7 @@
 dsec.probe.fake_card) meets its quota's ceiling and is drained before the cap — a snapshot at the last step that fits,
 a planned stop, a restart from that snapshot — instead of dying of an out-of-memory error (dsec.probe.recycle).
 
-The pool's ceiling is set one grid step above its base for the scene (7 -> 8 GB on an 80 GB card), so that a climb
+The pool's base and ceiling are set 0.5 GB apart for the scene (7.5 and 8 GB on an 80 GB card), so that a climb
 slower than a burst (0.045 GB/s; the control plane stops those at the ceiling) reaches it within seconds."""
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from dsec.launch.supervisor import Recovery, Supervisor
 if TYPE_CHECKING:
     from dsec.demo import DemoRun
 
-CARD_GB, BASE_GB, CEILING_GB = 80.0, 7.0, 8.0
-HELD_GB = 7.5  # what the learner holds from its first step: over 85 % of its base grant, so it grows to the ceiling
+CARD_GB, BASE_GB, CEILING_GB = 80.0, 7.5, 8.0
+# What the learner holds from its first step: its base grant exactly (over 85 % of it, so the grant grows to the
+# ceiling). Not more: until its first quota plan a new worker's allocator cap is its base grant, and a restarted
+# process that registered before its first step failed there (an OOM at the grant, seen in one demo run of three).
+HELD_GB = BASE_GB
 CLIMB_MB_PER_S = 46  # 0.045 GB/s: below the 0.05 GB/s of a burst
 CLIMB_AFTER_S = 4.0  # after training starts: the limit at the ceiling is in force by then (quota plans every 2 s)
 
