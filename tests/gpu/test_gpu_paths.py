@@ -188,6 +188,7 @@ def test_nvml_check_compares_dsec_inventory_with_nvidia_smi() -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # ~26 s: the whole GPU script on CPU; run it (make test-slow) before a device check
 def test_cpu_self_check_runs_the_same_orchestration_without_a_gpu() -> None:
     """``--device cpu``: the orchestration a GPU run uses (control plane, `dsec run` DDP workers, the quota's directive
     round trip, LD_PRELOAD of libdsec_inject.so, snapshot and restore) over gloo, CPU tensors and stub CUDA/NCCL

@@ -216,6 +216,7 @@ def test_two_deaths_at_once_and_settings_kept_in_the_scripts_own_variables(
     assert all(e["data"]["aligned_to"] == 0 and e["data"]["keys"] == ["lr"] for e in aligned)
 
 
+@pytest.mark.slow  # ~12 s; the killed-rank and two-deaths tests cover admission in the default run
 def test_a_death_while_a_replacement_waits(cp: Harness, supervised: Callable[..., Any], tmp_path: Path) -> None:
     recoveries: list[Recovery] = []
     # Rank 2 (a survivor) also dies by SIGSEGV after its script's end: its training is complete, so that exit must
@@ -422,6 +423,7 @@ def test_dsec_run_heal_zero_touch(cp: Harness, tmp_path: Path) -> None:
     assert "heal of default-1" in (tmp_path / "run.log").read_text()
 
 
+@pytest.mark.slow  # ~36 s (collective timeouts run out on purpose); a rare path, in make test-slow
 def test_ranks_whose_scripts_diverge_stop_instead_of_hanging(
     cp: Harness, supervised: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -215,6 +215,7 @@ def test_a_degraded_device_moves_its_group(cp: Harness, tmp_path: Path) -> None:
         sup.stop()
 
 
+@pytest.mark.slow  # ~17 s; a move on a degraded device stays in the default run
 def test_a_group_with_nowhere_to_go_stays_then_moves_when_a_device_frees(cp: Harness, tmp_path: Path) -> None:
     """No spare device (another job holds the other two): the group stays on its degraded device, running, and the
     placement on record is left as it was (a failed re-placement records nothing); once the other job releases its

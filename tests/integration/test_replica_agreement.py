@@ -254,6 +254,7 @@ def test_a_rank_that_drifts_is_reported(server: Harness, jobs: list[subprocess.P
     assert alerts and alerts[0]["data"]["severity"] == "critical"
 
 
+@pytest.mark.slow  # ~16 s; the other restore tests of this file stay in the default run
 def test_without_role_the_snapshot_names_are_stable_and_a_restart_restores(
     server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:

@@ -118,6 +118,7 @@ def test_restore_flag_is_validated(tmp_path: Path) -> None:
     assert nodir.returncode == 2 and "--restore needs --snapshot-dir" in nodir.stderr
 
 
+@pytest.mark.slow  # ~20 s of waiting for the interval to stretch; the rule: tests/unit/decide/test_cadence.py
 def test_cadence_from_failure_history_stretches_the_interval_of_a_group_that_never_rolled_back(
     server_factory: Callable[..., Harness], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -448,6 +448,7 @@ def test_quota_limits_let_a_burst_use_free_memory_the_first_design_failed_it() -
     assert ooms["limits"] <= ooms["no quotas"] < ooms["first design"]
 
 
+@pytest.mark.slow  # ~12 s; memory relief is a design study the control plane does not run
 def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_ooms() -> None:
     # The design study (dsec.quota.relief) on the scenario its figures come from (rl-128: four 14 GB workers per
     # 80 GB card, bursts up to ~25 GB), 2 h, seeds 7/8/9: accumulation for the steepest-ramping worker once the
