@@ -245,6 +245,7 @@ def test_directive_for_pool_takes_the_pool_limits() -> None:
     p = Pool("p", memory_base_gb=3.0, memory_ceiling_gb=5.0, snapshot_interval_s=45.0)
     d = DirectiveFields.for_pool(p)
     assert (d.memory_quota_gb, d.memory_ceiling_gb, d.snapshot_interval_s) == (3.0, 5.0, 45.0)
+    assert d.memory_limit_gb == 5.0  # until the first quota plan, a new worker may grow to the ceiling
     assert Directive("w", 1, d, 1.5).to_dict() == {"version": 1, "updated_at": 1.5, **d.to_dict()}
 
 

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 CARD_GB, BASE_GB, CEILING_GB = 80.0, 7.5, 8.0
 # What the learner holds from its first step: its base grant exactly (over 85 % of it, so the grant grows to the
-# ceiling). Not more: until its first quota plan a new worker's allocator cap is its base grant, and a restarted
-# process that registered before its first step failed there (an OOM at the grant, seen in one demo run of three).
+# ceiling). Until 2026-12-06 it could not be more: a new worker's allocator cap was its base grant until its first
+# quota plan, and a restarted process that registered before its first step failed there (one demo run of three).
+# Registration now issues the pool's ceiling as the limit (DirectiveFields.for_pool).
 HELD_GB = BASE_GB
 CLIMB_MB_PER_S = 46  # 0.045 GB/s: below the 0.05 GB/s of a burst
 CLIMB_AFTER_S = 4.0  # after training starts: the limit at the ceiling is in force by then (quota plans every 2 s)

@@ -277,9 +277,15 @@ class DirectiveFields:
 
     @classmethod
     def for_pool(cls, pool: Pool) -> DirectiveFields:
+        """A new worker's directive. Its allocator limit starts at the pool's ceiling, where the quota plan puts a
+        worker that is not bursting on a card with room (dsec.quota.elastic, "Grant and limit"): a process filling
+        its working set before the first plan (up to one reconcile pass away, or longer while it has not reported
+        its memory) would otherwise meet its base grant as a cap and fail there. The first plan sizes the limit to
+        what its card has free."""
         return cls(
             memory_quota_gb=pool.memory_base_gb,
             memory_ceiling_gb=pool.memory_ceiling_gb,
+            memory_limit_gb=pool.memory_ceiling_gb,
             snapshot_interval_s=pool.snapshot_interval_s,
             snapshot_compression_level=pool.snapshot_compression_level,
         )

@@ -338,7 +338,8 @@ def _limits(
     hysteresis = config.step_gb - _EPS
     for w in workers:
         used = w.used_gb  # what it holds (held[w.worker_id]) when it reports
-        if used is None:  # no report: nothing to size a limit by; the grant caps it, as before limits
+        if used is None:  # no report: nothing to size a limit by; it keeps the one it has (registration issues
+            # the pool's ceiling, DirectiveFields.for_pool; None in directives from before that: the grant caps it)
             continue
         q = quota[w.worker_id]
         limit = min(card, max(q, usable - (total_held - used)))

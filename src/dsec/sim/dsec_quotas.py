@@ -41,8 +41,9 @@ class QuotaPass(Regime):
         self.plan_slot = np.full(sim.N, -1, dtype=np.int64)
         self.plan_count = np.zeros(lay.cards, dtype=np.int64)
         self.quota = np.full(sim.N, sc.quota_base_gb())
-        # The allocator limit each worker's probe enforces (NaN: none issued yet — the probe caps at the quota).
-        self.limit = np.full(sim.N, math.nan)
+        # The allocator limit each worker's probe enforces (NaN: none — the probe caps at the quota). A new worker's
+        # is its pool's ceiling, as registration issues it (DirectiveFields.for_pool), until its card's first plan.
+        self.limit = np.full(sim.N, sc.ceiling_gb())
         self.plan_limit = np.full(sim.N, -1.0)
         # Each worker's memory trend (dsec.quota.trend, the server's formula over arrays): t, used, ramp, peak.
         self.trend = [np.full(sim.N, -math.inf), np.zeros(sim.N), np.zeros(sim.N), np.zeros(sim.N),

@@ -191,8 +191,10 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.valid_from[w] = int(sim.now // self.sc.sample_interval_s) + 1  # samples of the old process: gone
         sim.bits_frac[w], sim.accum[w], sim.paused[w] = 1.0, 1.0, False
         self.breaker_accum[w], self.relieved[w] = 1.0, False
-        self.quota[w] = self.knobs[(self.pool_names[int(sim.group_of[w])], "memory_base_gb")] or 0.0
-        self.limit[w] = math.nan
+        pool = self.pool_names[int(sim.group_of[w])]
+        self.quota[w] = self.knobs[(pool, "memory_base_gb")] or 0.0
+        # A new process registers anew: its limit starts at its pool's ceiling (DirectiveFields.for_pool).
+        self.limit[w] = self.knobs[(pool, "memory_ceiling_gb")] or math.nan
         for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf, -math.inf), strict=True):
             arr[w] = v  # a new process: the old one's trend is gone with it
 

@@ -182,3 +182,25 @@ def test_the_allocator_limit_of_the_directive_is_the_process_cap(make_probe: Cal
     probe.actuators.memory_limit_gb = 8.0  # the limit above the grant is what the allocator may take
     _step(opt, model)
     assert probe.memory_source() == {"memory_used_gb": 4.0}
+
+
+def test_a_new_worker_may_fill_its_working_set_past_its_grant_before_the_first_quota_plan(
+    tmp_path: Path, torch_probe: Callable[[dict[str, str | None]], Probe]
+) -> None:
+    # The directive registration hands out (DirectiveFields.for_pool), applied before the first step: a process whose
+    # working set (9 GB) is above the pool's base grant (7) but under its ceiling (12) trains on. Its allocator limit
+    # was the grant until the first quota plan before 2026-12-06, and such a process failed at once (the demo's
+    # restarted learner, one run in three).
+    from dsec.model import Directive, DirectiveFields, Pool
+
+    probe = torch_probe({"DSEC_FAKE_CARD": f"path={tmp_path / 'card0'},memory_gb=80,base_gb=9",
+                         "DSEC_CHAOS": "memory_growth_mb_per_s=100000,max_mb=1024"})  # fmt: skip
+    fields = DirectiveFields.for_pool(Pool("p", memory_base_gb=7.0, memory_ceiling_gb=12.0))
+    probe.actuators.handle(Directive("w", 1, fields, 0.0).to_dict())
+    assert probe.actuators.allocator_limit_gb() == 12.0
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(opt, model)
+    _grow_to_max(probe)
+    _step(opt, model)  # 9 + 1 GB, still under the ceiling
+    assert probe.memory_source() == {"memory_used_gb": 10.0}
