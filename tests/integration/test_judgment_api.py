@@ -514,7 +514,9 @@ def test_quota_growth_respects_a_lowered_worker_ceiling_and_does_not_starve_peer
 def test_memory_over_the_ceiling_degrades_through_accumulation_and_alerts_never_kills(
     server_factory: Callable[..., Harness], tmp_path: Path
 ) -> None:
-    h = start(server_factory, tmp_path / "mem", JudgeConfig(breaker=FAST_BREAKER))
+    # The memory path is opt-in (DSEC_MEMORY_PRESSURE): for training code that shrinks its micro-batch when
+    # grad_accum_steps rises. Off, as shipped, the same beats degrade nothing (tests/unit/decide).
+    h = start(server_factory, tmp_path / "mem", JudgeConfig(breaker=FAST_BREAKER, memory_pressure=1.0))
     b = Beater(h, h.register("pool-a", role="learner", rank=0))
     over = {"memory_used_gb": 13.5}  # pool-a: base 7, ceiling 12
     answer = b.beat_until(over, lambda a: a["directive"] is not None, timeout=5, what="memory-pressure directive")

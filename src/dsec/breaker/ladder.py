@@ -12,9 +12,10 @@ level  directive fields
 3      + ``async_sampling = false`` — actor sampling paused; inference and heartbeats keep running
 =====  ==========================================================================================
 
-The memory-pressure path (a worker above its memory ceiling) prefers accumulation over bigger
-batches: from level 1 on it also asks for ``grad_accum_steps = 4`` and holds ``memory_quota_gb`` at
-the ceiling, so the process can trade micro-batch size for steps instead of growing.
+The memory-pressure path (a worker above its memory cap; off unless ``DSEC_MEMORY_PRESSURE`` sets the cap, see
+``dsec.decide.caps_for``) prefers accumulation over bigger batches: from level 1 on it also asks for
+``grad_accum_steps = 4`` and holds ``memory_quota_gb`` at the ceiling, so training code that shrinks its micro-batch
+under accumulation can trade micro-batch size for steps instead of growing.
 """
 
 from __future__ import annotations

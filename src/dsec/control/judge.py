@@ -64,7 +64,14 @@ class JudgeConfig:
     precision_fallback: Mapping[str, str] = field(default_factory=lambda: {"bf16": "fp16", "fp16": "fp32"})
     precision_stable_s: float = 300.0
     grad_spike_factor: float = 10.0
-    memory_pressure: float = 1.0  # the breaker's memory cap as a fraction of the memory ceiling
+    # The breaker's memory cap as a fraction of the memory ceiling; None: memory is not judged by the breaker
+    # (dsec.decide.caps_for says why that is the default). DSEC_MEMORY_PRESSURE sets it for `dsec serve`.
+    memory_pressure: float | None = None
+
+    def __post_init__(self) -> None:
+        p = self.memory_pressure
+        if p is not None and not (isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1):
+            raise ValueError(f"memory_pressure={p!r} is invalid: expected a number in (0, 1], or None (off)")
 
 
 class Judge:

@@ -27,6 +27,21 @@ def _truthy(text: str) -> bool:
     raise ValueError(f"{text!r} is not a boolean: expected 1/0, true/false, yes/no or on/off")
 
 
+def _judge_with_memory_pressure(text: str) -> JudgeConfig:
+    """The judgment's defaults with the breaker's memory path on at ``text`` x the memory ceiling: for pools whose
+    training code shrinks its micro-batch when ``grad_accum_steps`` rises (off by default; dsec.decide.caps_for)."""
+    from dsec.control.judge import JudgeConfig
+
+    try:
+        value = float(text)
+        return JudgeConfig(memory_pressure=value)
+    except ValueError:
+        raise ValueError(
+            f"DSEC_MEMORY_PRESSURE={text!r} is invalid: expected a number in (0, 1] (the breaker's memory cap as a "
+            f"fraction of the memory ceiling), or unset (off)"
+        ) from None
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything ``create_app`` needs. I/O seams (clock, store) are passed to ``create_app`` separately."""
@@ -148,7 +163,8 @@ class Settings:
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN, DSEC_WEBHOOK_ALLOW_PRIVATE,
-        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR, DSEC_PLOTS_DIR) <- explicit overrides."""
+        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR, DSEC_MEMORY_PRESSURE, DSEC_PLOTS_DIR) <- explicit
+        overrides."""
         home = Path(str(overrides.pop("home", None) or default_home()))
         url = (
             overrides.pop("database_url", None)
@@ -168,6 +184,8 @@ class Settings:
                 raise ValueError(
                     f"DSEC_COST_DEVICE_HOUR={os.environ['DSEC_COST_DEVICE_HOUR']!r} is invalid: expected a number"
                 ) from None
+        if "judge" not in overrides and os.environ.get("DSEC_MEMORY_PRESSURE"):
+            overrides["judge"] = _judge_with_memory_pressure(os.environ["DSEC_MEMORY_PRESSURE"])
         if "plots_dir" not in overrides:
             from dsec.plots import plots_dir
 

@@ -29,20 +29,22 @@ def caps_for(
     thresholds: PoolThresholds | None,
     pool_ceiling_gb: float | None,
     fields: DirectiveFields | None = None,
-    memory_pressure: float = 1.0,
+    memory_pressure: float | None = None,
     latency_floor_ms: float | None = None,
 ) -> Caps:
     """The caps in force: the worker's own directive overrides, else its pool's thresholds (which policies may
-    change), else the defaults. The memory cap is the memory ceiling times ``memory_pressure`` (1.0 as shipped:
-    the breaker's memory path acts at the ceiling). ``latency_floor_ms`` (from :func:`safe_latency_floor`) lifts a
-    latency cap the whole pool is over."""
+    change), else the defaults. The memory cap is the memory ceiling times ``memory_pressure``; None (as shipped):
+    the breaker does not judge memory. Its memory path answers with gradient accumulation, which frees memory only
+    where the training code shrinks its micro-batch when ``grad_accum_steps`` rises; the probe's zero-touch
+    accumulation keeps the micro-batch (docs/health.md, "The breaker's memory path"). ``latency_floor_ms`` (from
+    :func:`safe_latency_floor`) lifts a latency cap the whole pool is over."""
     th = thresholds or PoolThresholds()
     ceiling = (fields.memory_ceiling_gb if fields else None) or pool_ceiling_gb
     latency = (fields.latency_cap_ms if fields else None) or th.latency_cap_ms
     return Caps(
         bandwidth_mbps=(fields.bandwidth_cap_mbps if fields else None) or th.bandwidth_cap_mbps,
         latency_ms=latency if latency_floor_ms is None else max(latency, latency_floor_ms),
-        memory_gb=None if ceiling is None else ceiling * memory_pressure,
+        memory_gb=None if ceiling is None or memory_pressure is None else ceiling * memory_pressure,
     )
 
 

@@ -17,9 +17,9 @@ Semantics
   the pool fits or nothing more can be taken. Never below base, never below what a worker uses plus
   slack. Growth and reclaim never happen in the same plan, and growth never over-commits, so with
   constant usage repeated plans reach a fixed point (no grow/reclaim oscillation).
-- Over ceiling: a worker whose usage exceeds ``ceiling_gb`` is reported in ``over_ceiling``. The
-  planner never kills anything; the caller routes such a worker through the breaker's
-  memory-pressure path and raises an alert.
+- Over ceiling: a worker whose usage exceeds ``ceiling_gb`` is reported in ``over_ceiling`` (and its
+  note says so). The planner never kills anything. Where the breaker's memory path is on
+  (``DSEC_MEMORY_PRESSURE``; off as shipped), the breaker degrades such a worker and alerts.
 - No device information: ``capacity_gb`` None, or 0 (what ``Device.memory_gb`` reports when the memory
   is unknown), means the pool's capacity is unknown. Then quotas are only clamped to [base, ceiling]:
   no growth beyond what was granted (it could over-commit real devices) and no reclaim (there is
@@ -44,7 +44,7 @@ is more, capped at the device, and at the ceiling unless the worker is in a burs
 stopped at the ceiling, fails early and alone, and placement learns its card). A burst therefore runs into free memory
 instead of failing at the grant (which turns a card with free memory into an OOM no deployment without quotas
 would have: the first design's hard cap at the grant did exactly that). Concurrent bursts can still fill a card, as
-without quotas. The pool's ceiling bounds the *grant*; above it the breaker's memory path (accumulation) acts.
+without quotas. The pool's ceiling bounds the *grant*; above it only a burst runs, up to the limit.
 Limits are re-issued when they move by a full step either way or fall below the grant (hysteresis), and only for
 workers that report usage. Unknown capacity: no limit.
 

@@ -47,7 +47,9 @@ class Memory(_Strict):
     burst_gb: float = Field(6.0, ge=0)  # mean extra memory of a burst (exponentially distributed)
     burst_s: float = Field(120.0, gt=0)  # how long a burst holds
     burst_ramp_s: float = Field(30.0, ge=0)  # how long it takes to build up
-    accumulation_burst_factor: float = Field(0.5, ge=0, le=1)  # a burst's size under gradient accumulation
+    # A burst's size under gradient accumulation. 1.0: the probe's zero-touch accumulation keeps the training code's
+    # micro-batch, so a burst is as large (until 2026-12-06 0.5, an assumption for code that shrinks it).
+    accumulation_burst_factor: float = Field(1.0, ge=0, le=1)
 
 
 class Groups(_Strict):
@@ -126,10 +128,10 @@ class Dsec(_Strict):
     bandwidth_cap_mbps: float = Field(128.0, gt=0)
     memory_base_gb: float | None = Field(None, gt=0)  # the pool's guaranteed quota; default: steady usage + 15%
     memory_ceiling_gb: float | None = Field(None, gt=0)  # default: an equal share of a card
-    # The breaker's memory cap as a fraction of the ceiling. 1.0 is DSec as shipped (Caps.memory_gb = ceiling); as
-    # the quota is the worker's allocator cap and never exceeds the ceiling, the memory path then never sees an
-    # over-cap sample — below 1 it can act (accumulation) before the allocation fails.
-    memory_pressure_fraction: float = Field(1.0, gt=0, le=1)
+    # The breaker's memory cap as a fraction of the ceiling; None is DSec as shipped (no memory path: its
+    # accumulation frees no memory under the probe, dsec.decide.caps_for). 1.0 was the default until 2026-12-06 (it
+    # met bursts the limit lets past the ceiling); below 1 it acts (accumulation) before the allocation fails.
+    memory_pressure_fraction: float | None = Field(None, gt=0, le=1)
     breaker_window_samples: int = Field(3, ge=1)  # samples in the breaker's window (window = samples x interval)
     breaker_recovery_s: float = Field(30.0, gt=0)  # DSec default (BreakerConfig.recovery_s)
     policies: list[str] | None = None  # policy files (relative to the scenario); None: the shipped examples

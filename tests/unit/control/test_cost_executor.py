@@ -68,3 +68,17 @@ def test_the_price_comes_from_the_environment(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("DSEC_COST_DEVICE_HOUR", "-1")
     with pytest.raises(ValueError, match="cost_device_hour"):
         Settings.from_env(home=tmp_path)
+
+
+def test_the_breakers_memory_path_is_off_unless_the_environment_turns_it_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DSEC_MEMORY_PRESSURE", raising=False)
+    assert Settings.from_env(home=tmp_path).judge is None  # JudgeConfig's default: memory_pressure None
+    monkeypatch.setenv("DSEC_MEMORY_PRESSURE", "0.9")
+    judge = Settings.from_env(home=tmp_path).judge
+    assert judge is not None and judge.memory_pressure == 0.9
+    for bad in ("high", "1.5", "0", "nan"):
+        monkeypatch.setenv("DSEC_MEMORY_PRESSURE", bad)
+        with pytest.raises(ValueError, match="DSEC_MEMORY_PRESSURE"):
+            Settings.from_env(home=tmp_path)

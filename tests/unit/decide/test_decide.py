@@ -41,9 +41,11 @@ def view(i: int = 0, role: str = "actor", metrics: dict[str, float] | None = Non
 
 # -- caps ----------------------------------------------------------------------------------------------------------
 def test_caps_take_the_workers_overrides_then_the_pools_then_the_defaults() -> None:
-    assert caps_for(POOL.thresholds, 20.0).limits() == {"bandwidth_mbps": 100.0, "latency_ms": 50.0, "memory_gb": 20.0}
+    # As shipped the breaker does not judge memory (memory_pressure None); opted in, at the ceiling times it.
+    assert caps_for(POOL.thresholds, 20.0).limits() == {"bandwidth_mbps": 100.0, "latency_ms": 50.0}
+    assert caps_for(POOL.thresholds, 20.0, memory_pressure=0.9).limits()["memory_gb"] == 18.0
     own = DirectiveFields(latency_cap_ms=30.0, memory_ceiling_gb=10.0)
-    assert caps_for(POOL.thresholds, 20.0, own).limits() == {
+    assert caps_for(POOL.thresholds, 20.0, own, memory_pressure=1.0).limits() == {
         "bandwidth_mbps": 100.0,
         "latency_ms": 30.0,
         "memory_gb": 10.0,

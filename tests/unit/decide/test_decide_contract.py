@@ -487,14 +487,20 @@ def test_an_ack_of_the_breakers_directive_is_a_move_without_a_patch() -> None:
     assert breaker.awaiting_version is None
 
 
-def test_a_memory_meltdown_caps_the_grant_at_the_memory_cap() -> None:
+def test_a_memory_meltdown_caps_the_grant_at_the_memory_cap_where_the_memory_path_is_on() -> None:
     from dsec.breaker import BreakerConfig
 
     breaker = Breaker(BreakerConfig(window_s=10.0, min_samples=3))
     w = view(metrics={"memory_used_gb": 25.0})
+    caps = caps_for(POOL.thresholds, POOL.memory_ceiling_gb, w.fields, memory_pressure=1.0)
     for t in range(3):
-        v = judge_beat(beat(w, now=float(t)), breaker, PrecisionGuard())
+        v = judge_beat(BeatInputs(w, POOL, caps, w.metrics, (), 0, float(t)), breaker, PrecisionGuard())
     assert v.breaker_issued and v.patch["memory_quota_gb"] == 20.0 and v.patch["grad_accum_steps"] >= 4
+    # As shipped (no memory path) the same usage degrades nothing: the quota's limit and the drain handle memory.
+    off = Breaker(BreakerConfig(window_s=10.0, min_samples=3))
+    for t in range(3):
+        v = judge_beat(beat(w, now=float(t)), off, PrecisionGuard())
+    assert not v.breaker_issued and v.patch == {}
 
 
 def test_quota_planning_uses_the_given_config() -> None:
