@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dsec.probe.recycle import AT_CEILING_GB
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.quota.relief import CardWorker, relief
-from dsec.quota.trend import bursting, observe_arrays
+from dsec.quota.trend import BURST_RAMP_GB_PER_S, bursting, observe_arrays
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
 
@@ -63,13 +64,42 @@ class QuotaPass(Regime):
         else:  # the first design: the allocator capped at the grant
             cap = self.quota[run]
         over = run[mem[run] > cap + 1e-9]
+        drained: list[int] = []
+        if len(over) and self.sc.dsec.quotas and self.sc.dsec.quota_limits and self.sc.dsec.memory_drain:
+            slow = self._drained(t, over, mem)
+            drained, over = over[slow].tolist(), over[~slow]
         victims = set(over.tolist())
-        rest = run[~np.isin(run, over)] if victims else run
+        rest = run[~np.isin(run, [*victims, *drained])] if victims or drained else run
         # Quotas over-committed (bases alone exceed the card): the largest user fails first.
         victims |= largest_first(rest, mem, sim.slot_of, sim.layout.workers_per_gpu, self.sc.cluster.gpu_memory_gb)
         if victims:
             self.counts["oom_workers"] += len(victims)
-            self.fail_workers(t, "oom", sorted(victims))
+            failed_groups = set(sim.group_of[sorted(victims)].tolist())
+            # A drained worker whose group fails of this OOM goes down with it (restarted from its last snapshot).
+            with_them = [w for w in drained if int(sim.group_of[w]) in failed_groups]
+            drained = [w for w in drained if int(sim.group_of[w]) not in failed_groups]
+            self.fail_workers(t, "oom", sorted(victims | set(with_them)))
+        if drained:
+            self.counts["memory_drains"] += len(drained)
+            self.drain_workers(t, drained)
+
+    def _drained(self, t: float, over: np.ndarray, mem: np.ndarray) -> np.ndarray:
+        """Which of the workers ``over`` their cap the probe drains before the cap (``dsec.probe.recycle``'s rule):
+        a limit that is final (at the worker's pool ceiling) and a slow climb into it — rising, below the burst line
+        over the last sample, and not a burst the control plane still counts. The probe sees every optimizer step, so
+        it stops such a climb at the last step that fits; the simulator sees 5 s samples and stops it at the first
+        sample over."""
+        sim = self.sim
+        limit = self.limit[over]
+        pools = [self.pool_names[int(g)] for g in sim.group_of[over].tolist()]
+        ceiling = np.array([self.knobs[(p, "memory_ceiling_gb")] or math.inf for p in pools])
+        t0, used0 = self.trend[0][over], self.trend[1][over]
+        dt = t - t0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            slope = np.where(dt > 0, (mem[over] - used0) / dt, math.inf)
+        final = ~np.isnan(limit) & (limit >= ceiling - AT_CEILING_GB)
+        slow = (slope > 0) & (slope < BURST_RAMP_GB_PER_S) & ~bursting(self.trend[5][over], t)
+        return np.asarray(final & slow, dtype=bool)
 
     def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""

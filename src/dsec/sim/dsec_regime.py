@@ -130,7 +130,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         if not d.restart_actors_alone or not (self.actors_only(cause, victims) or moving_actors):
             return False
         if not moving_actors:  # a failure is learned from before the new slot is chosen
-            self._record_runs(victims, t, failed=True, oom=cause == "oom")
+            # A drained process deregisters (a planned stop): the control plane records no failure for it.
+            self._record_runs(victims, t, failed=cause != "drain", oom=cause == "oom")
         per_card = sim.layout.workers_per_gpu
         chosen = self.choose_elsewhere(g, victims, t)
         if chosen is None:

@@ -139,6 +139,17 @@ class Regime:
             if not self.recover_alone(g, t, cause, ws):
                 self.sim.fail(g, t, cause, ws)
 
+    def drain_workers(self, t: float, victims: list[int]) -> None:
+        """Processes ``victims`` stopped after a snapshot at their last step (the probe's drain before the cap):
+        per group, restarted alone when the regime does, else the group restarts from that snapshot (nothing rolls
+        back)."""
+        by_group: dict[int, list[int]] = {}
+        for w in victims:
+            by_group.setdefault(int(self.sim.group_of[w]), []).append(int(w))
+        for g, ws in sorted(by_group.items()):
+            if not self.recover_alone(g, t, "drain", ws):
+                self.sim.fail(g, t, "drain", ws, durable_first=True)
+
     def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
         """Restart ``victims`` of group ``g`` alone while the group trains on (``Simulation.lose_workers``), if
         this regime does; False: the group restarts as a whole. The naive baseline never does (torchrun restarts
@@ -147,7 +158,7 @@ class Regime:
 
     def actors_only(self, cause: str, victims: list[int]) -> bool:
         """A process failure (not a planned move) of actors only: no learner state is lost, nothing to roll back."""
-        return cause in ("crash", "oom") and not bool(self.sim.is_learner[victims].any())
+        return cause in ("crash", "oom", "drain") and not bool(self.sim.is_learner[victims].any())
 
     def meltdowns(self) -> int | None:
         return None

@@ -141,6 +141,10 @@ class Dsec(_Strict):
     # Quotas as grants with limits (dsec.quota.elastic "Grant and limit", growth by ramp, idle reclaim); False: the
     # first design — the allocator capped at the grant, grown one step per plan — kept to measure against.
     quota_limits: bool = True
+    # The probe's drain before the cap (dsec.probe.recycle): a slow climb into a limit at the ceiling is snapshotted
+    # at its last step and restarted from there instead of failing of OOM (nothing rolls back). False: as before
+    # 2026-12-06, such a worker fails at the cap.
+    memory_drain: bool = True
     device_health: bool = True
     # A design study, not what the control plane does yet (dsec.quota.relief): accumulation for the steepest-ramping
     # worker of a card whose projected usage overflows it, until its burst is over.
