@@ -141,7 +141,9 @@ def _assert_conforms(h: Harness, token: str | None, max_examples: int, seed: int
 @pytest.mark.parametrize("who", ["admin", "anonymous"])
 def test_openapi_contract(contract_server: Harness, who: str) -> None:
     token = contract_server.admin_token if who == "admin" else None
-    _assert_conforms(contract_server, token, max_examples=10, seed=FAST_SEED)
+    # Without a token nearly every operation answers 401 before it reads the body: a few examples each find what
+    # ten would (the deep run below takes 300 either way).
+    _assert_conforms(contract_server, token, max_examples=10 if token else 4, seed=FAST_SEED)
 
 
 @pytest.mark.slow

@@ -236,6 +236,7 @@ def test_a_death_while_a_replacement_waits(cp: Harness, supervised: Callable[...
     assert finish(sup, tmp_path)["max_param_diff"] == 0.0
 
 
+@pytest.mark.slow  # ~11 s; a degraded device's move: test_launch_local.py, in the default run
 def test_a_rank_on_a_degraded_device_is_healed_onto_another(
     cp: Harness, supervised: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -351,6 +352,7 @@ def test_without_a_repeating_loop_the_group_falls_back_to_its_agreed_snapshots(
     assert finish(sup, tmp_path)["max_param_diff"] == 0.0
 
 
+@pytest.mark.slow  # ~13 s; the refusal itself: tests/unit/probe (collectives_locked)
 def test_a_healing_group_refuses_gradient_accumulation_and_still_heals(
     cp: Harness, supervised: Callable[..., Any], tmp_path: Path
 ) -> None:

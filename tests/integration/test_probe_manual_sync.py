@@ -34,7 +34,8 @@ def _settled(server: Harness, rank: int, name: str, beats: int = 3) -> float:
     return float(_by_rank(server)[rank]["metrics"].get(name, 0.0))
 
 
-@pytest.mark.parametrize("sync", ["param", "flat"])
+# Per-parameter all-reduce in make test-slow (~10 s): the flat-buffer loop stays in the default run.
+@pytest.mark.parametrize("sync", [pytest.param("param", marks=pytest.mark.slow), "flat"])
 def test_hand_written_gradient_all_reduce(server: Harness, tmp_path: Path, sync: str) -> None:
     stop, out, log = tmp_path / "stop", tmp_path / "out.json", tmp_path / "job.log"
     env = {**os.environ, "DSEC_HEARTBEAT_INTERVAL": "0.3", "GLOO_SOCKET_IFNAME": "lo"}
