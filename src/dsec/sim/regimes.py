@@ -132,10 +132,7 @@ class Regime:
     def fail_workers(self, t: float, cause: str, victims: list[int]) -> None:
         """Processes ``victims`` ended (a crash, an OOM): per group, restart them alone when the regime does
         (:meth:`recover_alone`), else the group fails and restarts from its last durable point."""
-        by_group: dict[int, list[int]] = {}
-        for w in victims:
-            by_group.setdefault(int(self.sim.group_of[w]), []).append(int(w))
-        for g, ws in sorted(by_group.items()):
+        for g, ws in self._by_group(victims):
             if not self.recover_alone(g, t, cause, ws):
                 self.sim.fail(g, t, cause, ws)
 
@@ -143,12 +140,16 @@ class Regime:
         """Processes ``victims`` stopped after a snapshot at their last step (the probe's drain before the cap):
         per group, restarted alone when the regime does, else the group restarts from that snapshot (nothing rolls
         back)."""
+        for g, ws in self._by_group(victims):
+            if not self.recover_alone(g, t, "drain", ws):
+                self.sim.fail(g, t, "drain", ws, durable_first=True)
+
+    def _by_group(self, victims: list[int]) -> list[tuple[int, list[int]]]:
+        """``victims`` by group, groups in order, each group's workers in the order given."""
         by_group: dict[int, list[int]] = {}
         for w in victims:
             by_group.setdefault(int(self.sim.group_of[w]), []).append(int(w))
-        for g, ws in sorted(by_group.items()):
-            if not self.recover_alone(g, t, "drain", ws):
-                self.sim.fail(g, t, "drain", ws, durable_first=True)
+        return sorted(by_group.items())
 
     def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
         """Restart ``victims`` of group ``g`` alone while the group trains on (``Simulation.lose_workers``), if
