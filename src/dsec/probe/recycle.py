@@ -24,15 +24,11 @@ runs into, as before.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from dsec.probe.memory import growth_gb_per_h
-from dsec.quota.trend import BURST_RAMP_GB_PER_S
-
-#: A limit within this of the ceiling is at the ceiling (limits move on a 1 GB grid; readings are floats).
-AT_CEILING_GB = 1e-6
+from dsec.quota.trend import drainable
 
 
 class MemoryRecycle(BaseException):
@@ -73,10 +69,9 @@ class ClimbWatch:
         """Whether the climb reaches a final ``limit_gb`` within the horizon (see the module docstring)."""
         if self.horizon_s <= 0 or limit_gb is None or not self._samples:
             return False
-        if ceiling_gb is not None and limit_gb < ceiling_gb - AT_CEILING_GB:
-            return False  # the next plan may still grow it
         slope = self.slope_gb_per_s()
-        if slope is None or not math.isfinite(slope) or slope <= 0 or slope >= BURST_RAMP_GB_PER_S:
+        # No ceiling known: the limit is all there is (final).
+        if slope is None or not drainable(limit_gb, limit_gb if ceiling_gb is None else ceiling_gb, slope):
             return False
         held = self._samples[-1][1]
         return held + slope * self.horizon_s > limit_gb

@@ -54,6 +54,18 @@ class MemoryTrend:
         return bool(bursting(self.burst_t, now))
 
 
+#: A limit within this of the ceiling is at the ceiling (limits move on a 1 GB grid; readings are floats).
+AT_CEILING_GB = 1e-6
+
+
+def drainable(limit_gb: Any, ceiling_gb: Any, slope_gb_per_s: Any) -> Any:
+    """Whether a climb at ``slope_gb_per_s`` into ``limit_gb`` is one to drain before the cap (dsec.probe.recycle)
+    rather than leave to the control plane: the limit is final — at the ceiling, where the control plane stops a
+    slow climb (a lower one the next plan may grow) — and the climb rises slower than a burst. Scalars (the probe) or
+    numpy arrays (the simulator's workers at once); a NaN limit or slope is not drainable."""
+    return (limit_gb >= ceiling_gb - AT_CEILING_GB) & (slope_gb_per_s > 0) & (slope_gb_per_s < BURST_RAMP_GB_PER_S)
+
+
 def bursting(burst_t: Any, now: float) -> Any:
     """Whether a worker is in a burst (or its hold) at ``now``; element-wise over arrays."""
     return np.asarray(now - np.asarray(burst_t, dtype=float)) <= BURST_HOLD_S

@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dsec.probe.recycle import AT_CEILING_GB
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.quota.relief import CardWorker, relief
-from dsec.quota.trend import BURST_RAMP_GB_PER_S, bursting, observe_arrays
+from dsec.quota.trend import bursting, drainable, observe_arrays
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
 
@@ -97,9 +96,8 @@ class QuotaPass(Regime):
         dt = t - t0
         with np.errstate(invalid="ignore", divide="ignore"):
             slope = np.where(dt > 0, (mem[over] - used0) / dt, math.inf)
-        final = ~np.isnan(limit) & (limit >= ceiling - AT_CEILING_GB)
-        slow = (slope > 0) & (slope < BURST_RAMP_GB_PER_S) & ~bursting(self.trend[5][over], t)
-        return np.asarray(final & slow, dtype=bool)
+        # The probe's rule (NaN limit: no limit, not drainable), and not a burst the control plane still counts.
+        return np.asarray(drainable(limit, ceiling, slope) & ~bursting(self.trend[5][over], t), dtype=bool)
 
     def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""
