@@ -143,7 +143,10 @@ def _settings(webhook_allow_private: bool, webhook_allowed_host: list[str] | Non
     overrides: dict[str, object] = {"webhook_allow_private": webhook_allow_private}
     if webhook_allowed_host:
         overrides["webhook_allowed_hosts"] = tuple(webhook_allowed_host)
-    settings = Settings.from_env(**given, **overrides)
+    try:
+        settings = Settings.from_env(**given, **overrides)
+    except ValueError as exc:  # a setting from the environment (DSEC_COST_DEVICE_HOUR, ...): its message names it
+        raise fail(exc, 2) from None
     private_dir(settings.home)
     if settings.admin_token is None:
         settings = replace(settings, admin_token=_admin_token_file(settings.home))

@@ -151,3 +151,16 @@ def test_tls_needs_both_files(tmp_path: Path) -> None:
     cert, _key = _self_signed(tmp_path)
     result = CliRunner().invoke(app, ["serve", "--home", str(tmp_path / "h"), "--tls-cert", str(cert)])
     assert result.exit_code == 2 and "--tls-cert and --tls-key go together" in result.output
+
+
+@pytest.mark.parametrize(("variable", "value"), [("DSEC_MEMORY_PRESSURE", "high"), ("DSEC_COST_DEVICE_HOUR", "cheap")])
+def test_a_bad_setting_in_the_environment_is_an_error_naming_it_not_a_traceback(
+    tmp_path: Path, variable: str, value: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from dsec.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--home", str(tmp_path / "h")], env={variable: value})
+    assert result.exit_code == 2 and f"{variable}={value!r} is invalid" in result.output, result.output
+    assert "Traceback" not in result.output
