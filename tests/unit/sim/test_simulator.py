@@ -196,11 +196,14 @@ def test_a_throttling_card_is_detected_degraded_and_its_workers_moved() -> None:
     assert o.progress.sum() > base.progress.sum()
 
 
+# 2 of 8 cards leak 12 GB/h (a slow climb into the ceiling, not a burst), nothing else goes wrong, for 8 hours.
+LEAKY = {**QUIET, "duration_h": 8, "cluster": {**QUIET["cluster"], "bad_gpu_fraction": 0.25,
+                                               "bad": {"leak_gb_per_h": 12, "throttle_per_h": 0}}}  # fmt: skip
+
+
 def test_leaking_cards_are_learned_and_placement_moves_away_from_them() -> None:
-    leaky = {**QUIET, "duration_h": 8, "cluster": {**QUIET["cluster"], "bad_gpu_fraction": 0.25,
-                                                   "bad": {"leak_gb_per_h": 12, "throttle_per_h": 0}}}  # fmt: skip
     # Without the probe's drain a slow leak fails of OOM at the ceiling (the case placement learns the most from).
-    sc = small(**{**leaky, "dsec": {"memory_drain": False}})
+    sc = small(**{**LEAKY, "dsec": {"memory_drain": False}})
     sim, o = run_one(sc, "dsec")
     bad = set(np.flatnonzero(sim.truth.bad).tolist())
     ooms = [i for i in o.interruptions if i.cause == "oom"]
@@ -221,9 +224,7 @@ def test_a_slow_leak_into_the_ceiling_is_drained_not_failed_and_still_learned() 
     # The probe's drain before the cap (dsec.probe.recycle), as shipped: the same leaks end in planned restarts from a
     # snapshot at the last step (nothing rolls back), not OOMs; placement still learns the cards from the growth the
     # runs report (a drained process deregisters: no failure is recorded), and moves off them.
-    leaky = {**QUIET, "duration_h": 8, "cluster": {**QUIET["cluster"], "bad_gpu_fraction": 0.25,
-                                                   "bad": {"leak_gb_per_h": 12, "throttle_per_h": 0}}}  # fmt: skip
-    sim, o = run_one(small(**leaky), "dsec")
+    sim, o = run_one(small(**LEAKY), "dsec")
     assert o.decisions.get("memory_drains", 0) >= 2 and o.decisions.get("oom_workers", 0) == 0
     drains = [i for i in o.interruptions if i.cause == "drain"]
     assert drains and all(i.rolled_back_steps == 0 for i in drains)
