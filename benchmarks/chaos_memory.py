@@ -18,8 +18,8 @@ probe's ``DSEC_CHAOS`` memory growth, which with a card is device memory:
   rate), held ``--burst-hold`` s, every ``--burst-every`` s.
 
 A restarted process starts its windows again (a leak leaks again). The control plane sees the card as two devices
-(the card's two process slots), each with the card's memory; the pool's base is ``--base-gb`` and its ceiling
-``--ceiling-gb``. Its elastic quotas (dsec.quota.elastic) issue each worker's grant and allocator limit: a slow climb is
+(the card's two process slots) of one card (``card``), each with the card's memory; the pool's base is ``--base-gb``
+and its ceiling ``--ceiling-gb``. Its elastic quotas (dsec.quota.elastic) issue each worker's grant and allocator limit: a slow climb is
 stopped at the ceiling, a burst's limit runs past it into the card's free memory.
 
 The defaults put the collision inside a run of a few minutes: without caps the leaker takes the steady worker's
@@ -116,13 +116,14 @@ def run(limits: str, recycle_s: float, work: Path, args: argparse.Namespace) -> 
     sup: Supervisor | None = None
     card = f"path={work / 'card0'},memory_gb={args.card_gb:g},base_gb={args.base_gb:g},limits={limits}"
     try:
-        # The card's two process slots, each with the card's memory (two processes on one GPU may each use all of
-        # it): the control plane caps a limit at one device's memory, so halves would cap every burst at half the
-        # card. Its pool capacity then counts the card twice, which only loosens limits; the card itself binds.
+        # The card's two process slots (placement puts one worker on a device), each giving the card's memory and
+        # naming the card: the control plane plans quotas per card, so a burst's limit is what the other process
+        # leaves of it (until 2026-12-06 it planned per pool and counted the card twice: limits at the whole card).
         devices = ["card0-a", "card0-b"]
         for d in devices:
             client.request("PUT", f"/v1/devices/{d}",
-                           json={"id": d, "node": "node-0", "model": "sim", "memory_gb": args.card_gb})  # fmt: skip
+                           json={"id": d, "node": "node-0", "model": "sim", "memory_gb": args.card_gb,
+                                 "card": "card0"})  # fmt: skip
         client.put_pool(POOL, devices=devices, memory_base_gb=args.base_gb, memory_ceiling_gb=args.ceiling_gb)
         job = JobFile.model_validate(
             {

@@ -424,6 +424,52 @@ def test_elastic_quotas_grow_in_steps_up_to_the_ceiling_while_capacity_allows(
         assert limit <= max(directives[w.id], min(4.0, 8.0 - used_by_others)) + 1.0 + 1e-9
 
 
+def test_quotas_are_planned_per_card_for_devices_that_are_slots_of_one_card(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    # Two process slots of one 8 GB card (card0-a, card0-b: each gives the card's memory) and gpu-1, a card of its
+    # own. A bursts on card0-a beside B, who holds 3 GB there: A's limit is what B leaves of card0 (5 GB), not
+    # the pool's free memory (the pool-wide rule counted 24 GB and let A take the whole card, B's memory included).
+    h = start(server_factory, tmp_path / "cards", JudgeConfig(quota_interval_s=0.1))
+    for dev, card in (("card0-a", "card0"), ("card0-b", "card0"), ("gpu-1", None)):
+        body = {"id": dev, "node": "node-0", "memory_gb": 8.0, "card": card}
+        assert h.admin.request("PUT", f"/v1/devices/{dev}", json=body)["card"] == card
+    assert {d["id"]: d["card"] for d in h.admin.request("GET", "/v1/devices")["items"]} == {
+        "card0-a": "card0",
+        "card0-b": "card0",
+        "gpu-1": None,
+    }
+    h.admin.put_pool("pool-c", devices=["card0-a", "card0-b", "gpu-1"], memory_base_gb=2, memory_ceiling_gb=4)
+    token = h.admin.create_token("pool-c")
+    a, b, c = (
+        Beater(h, h.register("pool-c", token=token, role="actor", rank=i, device=dev))
+        for i, dev in enumerate(("card0-a", "card0-b", "gpu-1"))
+    )
+
+    def limits() -> dict[str, float]:
+        return {w["id"]: w["directive"]["desired"]["memory_limit_gb"] for w in h.admin.workers(pool="pool-c")}
+
+    used_a = 2.0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        used_a = min(3.9, used_a + 0.4)  # a burst: ~8 GB/s, far past the 0.05 GB/s line between a leak and a burst
+        a.beat({"memory_used_gb": used_a})
+        b.beat({"memory_used_gb": 3.0})
+        c.beat({"memory_used_gb": 1.0})
+        for w in (a, b, c):
+            w.ack_latest()
+        if limits()[a.id] > 4.0:
+            break
+        time.sleep(BEAT_S)
+    # Past the pool's ceiling (a burst), but only into what card0 has free: 8 - 3 (B's) = 5.
+    assert limits()[a.id] == pytest.approx(5.0)
+    mem = next(p for p in h.admin.status()["pools"] if p["name"] == "pool-c")["memory"]
+    assert mem["capacity_gb"] == 16.0 and mem["workers"] == 3  # card0 once, gpu-1 once
+    ev = next(e for e in reversed(events_of(h, a.id, "quota")) if e["data"].get("limit_to_gb") == limits()[a.id])
+    assert ev["data"]["card"] == "card0" and ev["data"]["card_memory"]["capacity_gb"] == 8.0
+    assert ev["data"]["pool_memory"]["capacity_gb"] == 16.0
+
+
 # -- g. fleet comparison -------------------------------------------------------------------------------
 def test_fleet_flags_one_straggler_not_a_whole_pool_slowdown(
     server_factory: Callable[..., Harness], tmp_path: Path

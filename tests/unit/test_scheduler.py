@@ -188,6 +188,7 @@ def test_inventory_to_dict_sorted_and_serialisable() -> None:
         "nvlink_peers": ["n1-gpu1"],
         "health": "drained",
         "pool": None,
+        "card": None,
     }
     assert Device.from_dict(dev) == inv.devices["n1-gpu0"]
 

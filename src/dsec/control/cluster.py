@@ -33,6 +33,7 @@ def device_from_spec(spec: DeviceSpec) -> Device:
         nvlink_peers=tuple(spec.nvlink_peers),
         health=DeviceHealth(spec.health),
         pool=spec.pool,
+        card=spec.card,
     )
 
 

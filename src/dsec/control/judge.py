@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from dsec.control.worker_alerts import worker_alert
 from dsec.decide import (
     SOURCE,
     BeatInputs,
+    CardMemo,
     Change,
     FleetVerdict,
     QuotaVerdict,
@@ -99,6 +100,9 @@ class Judge:
         self._last_fleet = -math.inf
         self._last_quota = -math.inf
         self.memory_trends: dict[str, MemoryTrend] = {}  # per active worker: ramp and recent peak, for the quotas
+        # Each pool's cards' last quota plans (decide.plan_pool_quotas's memo): read and replaced only by the pass's
+        # judgments (PeriodicInputs.run: on a thread at scale, one pass at a time), never by the loop.
+        self.quota_memo: dict[str, CardMemo] = {}
 
     # -- decision state --------------------------------------------------------------------------------
     def caps_for(self, w: LiveWorker) -> Caps:
@@ -217,6 +221,7 @@ class Judge:
         if quota_due:
             self._last_quota = now
         pools = dict(self.state.pools)
+        memory, cards = self.memory_inputs(pools.values()) if quota_due else ({}, {})
         return PeriodicInputs(
             now=now,
             fleet_due=fleet_due,
@@ -226,11 +231,11 @@ class Judge:
             pools=pools,
             flags=dict(self.flags) if fleet_due else {},
             slow_pools=frozenset(self.slow_pools),
-            memory={p.name: (self.pool_capacity_gb(p), self.pool_device_gb(p)) for p in pools.values()}
-            if quota_due
-            else {},
+            memory=memory,
+            cards=cards,
             trends=self.memory_trends,
             config=self.config,
+            quota_memo=self.quota_memo,
         )
 
     def finish_periodic(self, inputs: PeriodicInputs, result: PeriodicResult) -> tuple[list[Change], list[Event]]:
@@ -282,14 +287,28 @@ class Judge:
             self.latency_floors.pop(gone, None)
         return events
 
-    def pool_capacity_gb(self, pool: Pool) -> float | None:
-        total = sum(self.state.devices[d].memory_gb for d in pool.devices if d in self.state.devices)
-        return total or None
+    def card_memory_gb(self) -> dict[str, float]:
+        """Each card's memory (``Device.card_id``): the largest its devices give (a card's slots each give the
+        card's memory; a device without ``card`` is a card of its own)."""
+        out: dict[str, float] = {}
+        for d in self.state.devices.values():
+            out[d.card_id] = max(out.get(d.card_id, 0.0), d.memory_gb)
+        return out
 
-    def pool_device_gb(self, pool: Pool) -> float | None:
-        """The largest device of ``pool`` (no allocator limit exceeds one device)."""
-        sizes = [self.state.devices[d].memory_gb for d in pool.devices if d in self.state.devices]
-        return max(sizes, default=0.0) or None
+    def memory_inputs(
+        self, pools: Iterable[Pool]
+    ) -> tuple[dict[str, tuple[float | None, float | None]], dict[str, tuple[str, float]]]:
+        """What quotas are planned over: per pool, the memory of its cards (each card once, however many of its
+        slots the pool holds) and its largest card (no allocator limit exceeds one card); per device of a card of
+        known memory, that card and its memory."""
+        gb = self.card_memory_gb()
+        devices = self.state.devices
+        memory: dict[str, tuple[float | None, float | None]] = {}
+        for p in pools:
+            sizes = [gb[c] for c in {devices[d].card_id for d in p.devices if d in devices}]
+            memory[p.name] = (sum(sizes) or None, max(sizes, default=0.0) or None)
+        cards = {d.id: (d.card_id, gb[d.card_id]) for d in devices.values() if gb[d.card_id] > 0}
+        return memory, cards
 
 
 @dataclass(frozen=True)
@@ -312,8 +331,10 @@ class PeriodicInputs:
     flags: dict[str, set[str]]  # each worker's fleet flags before this pass
     slow_pools: frozenset[str]
     memory: dict[str, tuple[float | None, float | None]]  # pool -> (capacity, largest device), GB
+    cards: dict[str, tuple[str, float]]  # device -> (its card, the card's memory in GB), for cards of known memory
     trends: Mapping[str, MemoryTrend]
     config: JudgeConfig
+    quota_memo: dict[str, CardMemo] = field(default_factory=dict)  # the judge's, mutated by run (see Judge)
 
     @property
     def workers(self) -> int:
@@ -334,5 +355,9 @@ class PeriodicInputs:
         for name, pool in self.pools.items():
             capacity, device_gb = self.memory[name]
             ws = self.by_pool.get(name, [])
-            quotas[name] = plan_pool_quotas(pool, capacity, ws, c.quota, now, trends=trends, device_gb=device_gb)
+            memo = self.quota_memo.setdefault(name, {})
+            quotas[name] = plan_pool_quotas(pool, capacity, ws, c.quota, now, trends=trends, device_gb=device_gb,
+                                            cards=self.cards, memo=memo)  # fmt: skip
+        for gone in set(self.quota_memo) - set(self.pools):
+            del self.quota_memo[gone]
         return PeriodicResult(fleet, trends, quotas)

@@ -24,7 +24,7 @@ from dsec.decide.caps import caps_for, latency_signal, safe_latency_floor, sampl
 from dsec.decide.devices import DegradeVerdict, degrade, occupancy
 from dsec.decide.fleet import FleetVerdict, judge_pool, judged_workers, slow_workers
 from dsec.decide.gauges import PoolGauges, WorkerGauges, policy_samples, pool_gauges_of, pool_recovery_s
-from dsec.decide.quotas import QuotaVerdict, observe_memory, plan_pool_quotas, precision_restore
+from dsec.decide.quotas import CardMemo, QuotaVerdict, observe_memory, plan_pool_quotas, precision_restore
 from dsec.decide.verdicts import SOURCE, Change, Verdict, alert_event
 from dsec.decide.views import WorkerView
 
@@ -32,6 +32,7 @@ __all__ = [
     "SOURCE",
     "BeatInputs",
     "BreakerMove",
+    "CardMemo",
     "Change",
     "DegradeVerdict",
     "FleetVerdict",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ from dsec.decide.verdicts import Change
 from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool
-from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig, WorkerMemory, plan
+from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig, QuotaPlan, WorkerMemory, plan
 from dsec.quota.trend import PEAK_HOLD_S, observe_arrays
 
 
@@ -58,6 +59,10 @@ def observe_memory(
     return {wid: trend for wid, trend in out.items() if trend is not None}
 
 
+#: What a card's last plan read and gave (:func:`plan_pool_quotas`'s ``memo``): the plan's inputs, then its result.
+CardMemo = dict[str | None, tuple[tuple[object, ...], QuotaPlan]]
+
+
 def plan_pool_quotas(
     pool: Pool,
     capacity_gb: float | None,
@@ -66,46 +71,129 @@ def plan_pool_quotas(
     now: float,
     trends: Mapping[str, MemoryTrend] | None = None,
     device_gb: float | None = None,
+    cards: Mapping[str, tuple[str, float]] | None = None,
+    memo: CardMemo | None = None,
 ) -> QuotaVerdict:
-    """Grow/reclaim the memory grants of ``pool``'s active ``workers`` within ``capacity_gb`` (the memory of the
-    devices they share) and issue their allocator limits (``device_gb``: one device's memory); one ``quota``
-    event per worker whose grant or limit changes, with the pool's accounting after it. ``trends``: each worker's
-    memory trend (:func:`observe_memory`) for growth by ramp and idle reclaim; None: neither."""
+    """Grow/reclaim the memory grants of ``pool``'s active ``workers`` and issue their allocator limits; one
+    ``quota`` event per worker whose grant or limit changes, with the pool's accounting after it. ``trends``: each
+    worker's memory trend (:func:`observe_memory`) for growth by ramp and idle reclaim; None: neither.
+
+    Memory is shared by the processes on one card, not by a pool. ``cards``: device id -> (the card it is a slot
+    of, that card's memory in GB), for the devices of known memory (``Device.card_id``). The workers on such a device
+    are planned per card, against the card's memory, so a burst's limit is what its card-mates leave free and usage on
+    other cards does not shrink it. The others (no device reported, or one of unknown memory) are planned together
+    against ``capacity_gb`` (the memory of the pool's cards) less the pool's cards planned on their own, or all of it
+    when that leaves nothing, as every worker was before (``device_gb``: one card's memory, the bound of their
+    limits).
+
+    ``memo``: the pool's cards' last plans (the caller keeps it between calls; this call replaces its contents with
+    this pass's). A card whose inputs are those of its last plan, and whose last plan changed nothing, is not planned
+    again: ``quota.plan`` is pure, so it would change nothing again. At 10,000 workers one per card, planning every
+    card took ~200 ms a pass in-process."""
     trends = trends or {}
-    members = []
+    cards = cards or {}
+    by_card: dict[str, list[WorkerView]] = {}
+    card_gb: dict[str, float] = {}
+    rest: list[WorkerView] = []
     for w in workers:
-        trend = trends.get(w.id)
-        members.append(
-            WorkerMemory(
-                w.id,
-                finite(w.metrics, "memory_used_gb"),
-                w.fields.memory_quota_gb or pool.memory_base_gb,
-                w.fields.memory_ceiling_gb,
-                ramp_gb_per_s=trend.ramp_gb_per_s if trend else 0.0,
-                recent_peak_gb=trend.peak_gb if trend else None,
-                limit_gb=w.fields.memory_limit_gb,
-                bursting=trend.bursting(now) if trend else False,
-            )
-        )
-    result = plan(capacity_gb, pool.memory_base_gb, pool.memory_ceiling_gb, members, config, device_gb=device_gb)
-    verdict = QuotaVerdict(result.accounting)
-    by_id = {w.id: w for w in workers}
-    for wid in sorted(set(result.changes) | set(result.limit_changes)):
-        patch: dict[str, float | None] = {}
-        fields = by_id[wid].fields
-        data: dict[str, object] = {"kind": "memory_quota", "from_gb": fields.memory_quota_gb}
-        if wid in result.changes:
-            patch["memory_quota_gb"] = result.changes[wid]
-        data["to_gb"] = patch.get("memory_quota_gb", fields.memory_quota_gb)
-        if wid in result.limit_changes:
-            patch["memory_limit_gb"] = result.limit_changes[wid]
-            data["limit_from_gb"] = fields.memory_limit_gb
-            data["limit_to_gb"] = result.limit_changes[wid]
-        data["reason"] = result.reasons.get(wid, "")
-        data["pool_memory"] = result.accounting.to_dict()
-        ev = Event(ts=now, type=EventType.QUOTA, worker_id=wid, pool=pool.name, data=data)
-        verdict.changes.append(Change(wid, patch, "quota", [ev]))
+        where = cards.get(w.device) if w.device is not None else None
+        if where is None:
+            rest.append(w)
+        else:
+            card_gb[where[0]] = where[1]
+            by_card.setdefault(where[0], []).append(w)
+    last = dict(memo) if memo is not None else {}
+    kept: CardMemo = {}
+
+    def planned(key: str | None, ws: list[WorkerView], capacity: float | None, one: float | None) -> QuotaPlan:
+        # The plan's inputs as plain tuples first (cheap to compare); WorkerMemory (validated) only to plan.
+        rows = [_member_row(pool, w, trends, now) for w in ws]
+        inputs = (capacity, one, pool.memory_base_gb, pool.memory_ceiling_gb, config, rows)
+        before = last.get(key)
+        if before is not None and before[0] == inputs and not (before[1].changes or before[1].limit_changes):
+            result = before[1]
+        else:
+            members = [WorkerMemory(*row) for row in rows]
+            result = plan(capacity, pool.memory_base_gb, pool.memory_ceiling_gb, members, config, device_gb=one)
+        kept[key] = (inputs, result)
+        return result
+
+    parts: list[tuple[list[WorkerView], QuotaPlan, str | None]] = [
+        (ws, planned(c, ws, card_gb[c], card_gb[c]), c) for c, ws in by_card.items()
+    ]
+    if rest or not parts:
+        pool_cards = {cards[d][0]: cards[d][1] for d in pool.devices if d in cards}
+        own = math.fsum(gb for c, gb in pool_cards.items() if c in by_card)
+        left = None if capacity_gb is None else capacity_gb - own
+        capacity = left if left is not None and left > 0 else capacity_gb
+        parts.append((rest, planned(None, rest, capacity, device_gb), None))
+    if memo is not None:
+        memo.clear()
+        memo.update(kept)
+    accounting = _pool_accounting(capacity_gb, [p for _, p, _ in parts]) if by_card else parts[0][1].accounting
+    verdict = QuotaVerdict(accounting)
+    pool_memory = accounting.to_dict()
+    for ws, result, card in parts:
+        changed = sorted(set(result.changes) | set(result.limit_changes))
+        if not changed:
+            continue
+        by_id = {w.id: w for w in ws}
+        card_memory = result.accounting.to_dict() if card is not None else None
+        for wid in changed:
+            patch: dict[str, float | None] = {}
+            fields = by_id[wid].fields
+            data: dict[str, object] = {"kind": "memory_quota", "from_gb": fields.memory_quota_gb}
+            if wid in result.changes:
+                patch["memory_quota_gb"] = result.changes[wid]
+            data["to_gb"] = patch.get("memory_quota_gb", fields.memory_quota_gb)
+            if wid in result.limit_changes:
+                patch["memory_limit_gb"] = result.limit_changes[wid]
+                data["limit_from_gb"] = fields.memory_limit_gb
+                data["limit_to_gb"] = result.limit_changes[wid]
+            if card is not None:
+                data["card"] = card
+                data["card_memory"] = dict(card_memory or {})
+            data["reason"] = result.reasons.get(wid, "")
+            data["pool_memory"] = dict(pool_memory)
+            ev = Event(ts=now, type=EventType.QUOTA, worker_id=wid, pool=pool.name, data=data)
+            verdict.changes.append(Change(wid, patch, "quota", [ev]))
     return verdict
+
+
+def _member_row(
+    pool: Pool, w: WorkerView, trends: Mapping[str, MemoryTrend], now: float
+) -> tuple[str, float | None, float, float | None, float, float | None, float | None, bool]:
+    """What ``dsec.quota.plan`` reads of ``w``: ``WorkerMemory``'s fields in order (worker, used, grant, own ceiling,
+    ramp, recent peak, limit, bursting)."""
+    trend = trends.get(w.id)
+    f = w.fields
+    return (
+        w.id,
+        finite(w.metrics, "memory_used_gb"),
+        f.memory_quota_gb or pool.memory_base_gb,
+        f.memory_ceiling_gb,
+        trend.ramp_gb_per_s if trend else 0.0,
+        trend.peak_gb if trend else None,
+        f.memory_limit_gb,
+        trend.bursting(now) if trend else False,
+    )
+
+
+def _pool_accounting(capacity_gb: float | None, plans: Sequence[QuotaPlan]) -> PoolMemory:
+    """The pool's memory over its per-device plans: grants and usage add up; the headroom is the sum of the parts'
+    (each device's own; a part of unknown capacity makes it unknown), the capacity the pool's devices' memory."""
+    parts = [p.accounting for p in plans]
+    headrooms = [a.headroom_gb for a in parts]
+    first = parts[0]
+    return PoolMemory(
+        capacity_gb=float(capacity_gb) if capacity_gb is not None else None,
+        granted_gb=math.fsum(a.granted_gb for a in parts),
+        used_gb=math.fsum(a.used_gb for a in parts),
+        headroom_gb=None if any(h is None for h in headrooms) else math.fsum(h for h in headrooms if h is not None),
+        base_gb=first.base_gb,
+        ceiling_gb=first.ceiling_gb,
+        workers=sum(a.workers for a in parts),
+    )
 
 
 def precision_restore(w: WorkerView, guard: PrecisionGuard, now: float) -> Change | None:

@@ -146,10 +146,19 @@ class Device:
     nvlink_peers: tuple[str, ...] = ()
     health: DeviceHealth = DeviceHealth.HEALTHY
     pool: str | None = None
+    # The physical accelerator this device is a process slot of, where several processes share one GPU (RL actors):
+    # the devices of one card share its memory, and elastic quotas are planned per card. None: a card of its own.
+    card: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.id), "id", self.id, "a non-empty device id")
         _finite_nonneg("memory_gb", self.memory_gb, MAX_MEMORY_GB)
+        _check(self.card is None or bool(self.card), "card", self.card, "a non-empty card id or null")
+
+    @property
+    def card_id(self) -> str:
+        """The card whose memory this device's processes share: ``card``, or the device itself."""
+        return self.card or self.id
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -161,6 +170,7 @@ class Device:
             "nvlink_peers": list(self.nvlink_peers),
             "health": self.health.value,
             "pool": self.pool,
+            "card": self.card,
         }
 
     @classmethod
@@ -174,6 +184,7 @@ class Device:
             nvlink_peers=tuple(data.get("nvlink_peers") or ()),
             health=DeviceHealth(data.get("health", "healthy")),
             pool=data.get("pool"),
+            card=data.get("card"),
         )
 
 

@@ -140,6 +140,70 @@ def test_quota_plans_grow_a_busy_worker_within_the_capacity() -> None:
     assert [c.patch for c in plan_pool_quotas(pool, 40.0, issued, QuotaConfig(), 5.0, device_gb=20.0).changes] == []
 
 
+def _passes(readings: list[list[float]], memo: object, cards: dict[str, tuple[str, float]]) -> list[object]:
+    """Quota passes over 6 workers on 3 cards of 24 GB (2 per card), each pass's changes applied to the next."""
+    import dataclasses
+
+    from dsec.decide import observe_memory as observe
+
+    pool = Pool("p", devices=tuple(cards), memory_base_gb=6.0, memory_ceiling_gb=10.0)
+    fields = [DirectiveFields.for_pool(pool) for _ in range(6)]
+    trends: dict[str, MemoryTrend] = {}
+    out: list[object] = []
+    for k, used in enumerate(readings):
+        ws = [
+            dataclasses.replace(view(i, metrics={"memory_used_gb": used[i]}), fields=fields[i], device=f"d{i}")
+            for i in range(6)
+        ]
+        trends = observe(trends, ws, 2.0 * k)
+        v = plan_pool_quotas(pool, 72.0, ws, QuotaConfig(), 2.0 * k, trends=trends, device_gb=24.0,
+                             cards=cards, memo=memo)  # type: ignore[arg-type]  # fmt: skip
+        for c in v.changes:
+            i = int(c.worker_id[1:])
+            fields[i] = dataclasses.replace(fields[i], **c.patch)
+        out.append(([(c.worker_id, c.patch, c.events[0].data) for c in v.changes], v.accounting))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.sampled_from([3.0, 5.5, 6.0, 9.0, 9.5, 14.0, 20.0]), min_size=6, max_size=6),
+        min_size=1,
+        max_size=12,
+    ).map(lambda xs: [x for x in xs for _ in range(2)])  # each reading twice: passes whose inputs repeat
+)
+def test_a_quota_memo_changes_no_plan_it_only_skips_cards_whose_inputs_repeat(readings: list[list[float]]) -> None:
+    cards = {f"d{i}": (f"card{i // 2}", 24.0) for i in range(6)}
+    assert _passes(readings, {}, cards) == _passes(readings, None, cards)
+
+
+def test_a_card_whose_inputs_repeat_after_a_plan_that_changed_nothing_is_not_planned_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dsec.decide.quotas as quotas
+
+    calls: list[tuple[str, ...]] = []
+    real = quotas.plan
+
+    def counted(*args: object, **kw: object) -> object:
+        calls.append(tuple(m.worker_id for m in args[3]))  # type: ignore[attr-defined]
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quotas, "plan", counted)
+    cards = {f"d{i}": (f"card{i // 2}", 24.0) for i in range(6)}
+    memo: dict[object, object] = {}
+    _passes([[6.5, 3.0, 3.0, 3.0, 3.0, 3.0]] * 4, memo, cards)
+    # Pass 1 plans the 3 cards and grows w0's grant; pass 2 plans card0 again (w0's grant moved) and changes nothing;
+    # passes 3 and 4 plan nothing.
+    assert calls == [("w0", "w1"), ("w2", "w3"), ("w4", "w5"), ("w0", "w1")]
+    assert sorted(memo) == ["card0", "card1", "card2"]  # type: ignore[type-var]
+    calls.clear()
+    # Another run (fields back at registration's): card0's grant is new again and w5 reads 9 GB; card1 is as before.
+    _passes([[6.5, 3.0, 3.0, 3.0, 3.0, 9.0]], memo, cards)
+    assert calls == [("w0", "w1"), ("w4", "w5")]
+
+
 def test_quota_trends_grow_a_ramping_worker_ahead_and_forget_departed_ones() -> None:
     pool = Pool("p", memory_base_gb=8.0, memory_ceiling_gb=16.0)
     trends = observe_memory({}, [view(0, metrics={"memory_used_gb": 5.0})], 0.0)

@@ -7,6 +7,7 @@ mutant that survived before it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -550,6 +551,65 @@ def test_a_burst_runs_past_the_pools_ceiling_that_every_worker_registers_with() 
     lowered = [view(0, metrics={"memory_used_gb": 15.0}, memory_quota_gb=14.0, memory_ceiling_gb=14.0)]
     (change,) = plan_pool_quotas(pool, 40.0, lowered, QuotaConfig(), 3.0, trends=burst, device_gb=20.0).changes
     assert change.patch["memory_limit_gb"] == 14.0
+
+
+def on(device: str, w: WorkerView) -> WorkerView:
+    return dataclasses.replace(w, device=device)
+
+
+def test_a_bursts_limit_is_what_its_card_mates_leave_free_not_what_the_pool_has() -> None:
+    # Two 80 GB cards: w0 bursts on d0 beside w1, who holds 25 GB there; w2 on d1 holds 10. The pool has 75 GB free,
+    # d0 only 5 past w0's 50: its limit is 80 - 25 = 55 (the pool-wide rule gave the whole card, 80, so w0 could
+    # take what w1 holds and w1's next allocation would fail instead).
+    pool = Pool("p", devices=("d0", "d1"), memory_base_gb=8.0, memory_ceiling_gb=16.0)
+    burst = {"w0": MemoryTrend(t=3.0, used_gb=50.0, ramp_gb_per_s=1.0, peak_gb=50.0, peak_t=3.0, burst_t=3.0)}
+    ws = [
+        on("d0", view(0, metrics={"memory_used_gb": 50.0}, memory_quota_gb=16.0, memory_limit_gb=50.0)),
+        on("d0", view(1, metrics={"memory_used_gb": 25.0}, memory_quota_gb=16.0, memory_limit_gb=16.0)),
+        on("d1", view(2, metrics={"memory_used_gb": 10.0}, memory_quota_gb=16.0, memory_limit_gb=16.0)),
+    ]
+    cards = {"d0": ("d0", 80.0), "d1": ("d1", 80.0)}
+    v = plan_pool_quotas(pool, 160.0, ws, QuotaConfig(), 3.0, trends=burst, device_gb=80.0, cards=cards)
+    (change,) = [c for c in v.changes if c.worker_id == "w0"]
+    assert change.patch["memory_limit_gb"] == 55.0
+    data = change.events[0].data
+    assert data["card"] == "d0" and data["card_memory"]["capacity_gb"] == 80.0
+    assert data["pool_memory"]["capacity_gb"] == 160.0 and data["pool_memory"]["workers"] == 3
+    assert v.accounting.used_gb == 85.0 and v.accounting.workers == 3
+
+
+def test_grants_on_one_card_add_up_to_that_card_not_to_the_pool() -> None:
+    # Four workers on d0 (20 GB), each using 4.6 GB of a 4 GB grant, want to grow to the 8 GB ceiling; d1 (20 GB)
+    # holds none of them. Granted on d0 may not pass 20 GB (the pool-wide rule granted 4 x 8 = 32 of the pool's 40).
+    pool = Pool("p", devices=("d0", "d1"), memory_base_gb=4.0, memory_ceiling_gb=8.0)
+    ws = [on("d0", view(i, metrics={"memory_used_gb": 4.6}, memory_quota_gb=4.0)) for i in range(4)]
+    cards = {"d0": ("d0", 20.0), "d1": ("d1", 20.0)}
+    v = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, device_gb=20.0, cards=cards)
+    grants = [c.patch.get("memory_quota_gb", 4.0) for c in v.changes]
+    assert len(grants) == 4 and sum(grants) <= 20.0 + 1e-9 and max(grants) > 4.0
+    assert v.accounting.granted_gb <= 20.0 + 1e-9 and v.accounting.capacity_gb == 40.0
+    # Without a device, as before: the pool's capacity is what they share.
+    loose = plan_pool_quotas(pool, 40.0, [dataclasses.replace(w, device=None) for w in ws], QuotaConfig(), 3.0,
+                             device_gb=20.0, cards=cards)  # fmt: skip
+    assert loose.accounting.granted_gb > 20.0
+
+
+def test_workers_of_unknown_device_share_what_the_pools_known_devices_leave() -> None:
+    # w0 on d0 (known, 20 GB) is planned alone; w1 reports no device and w2 a device nobody registered: they share
+    # the pool's 40 GB less d0's 20, so their limits stop at 20 - what the other holds.
+    pool = Pool("p", devices=("d0", "d1"), memory_base_gb=4.0, memory_ceiling_gb=8.0)
+    burst = {
+        f"w{i}": MemoryTrend(t=3.0, used_gb=6.0, ramp_gb_per_s=1.0, peak_gb=6.0, peak_t=3.0, burst_t=3.0)
+        for i in range(3)
+    }
+    ws = [
+        on("d0", view(0, metrics={"memory_used_gb": 6.0}, memory_quota_gb=8.0, memory_limit_gb=8.0)),
+        view(1, metrics={"memory_used_gb": 6.0}, memory_quota_gb=8.0, memory_limit_gb=8.0),
+        on("elsewhere", view(2, metrics={"memory_used_gb": 6.0}, memory_quota_gb=8.0, memory_limit_gb=8.0)),
+    ]
+    v = plan_pool_quotas(pool, 40.0, ws, QuotaConfig(), 3.0, trends=burst, device_gb=20.0, cards={"d0": ("d0", 20.0)})
+    limits = {c.worker_id: c.patch["memory_limit_gb"] for c in v.changes}
+    assert limits == {"w0": 20.0, "w1": 14.0, "w2": 14.0}
 
 
 def test_a_limit_only_change_has_an_empty_reason() -> None:

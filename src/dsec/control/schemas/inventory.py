@@ -55,6 +55,12 @@ class DeviceSpec(Strict):
     nvlink_peers: list[Name] = Field(default_factory=list, max_length=1024)
     health: DeviceHealth = DeviceHealth.HEALTHY
     pool: Name | None = None
+    card: Name | None = Field(
+        None,
+        description="the physical accelerator this device is a process slot of: devices naming the same card share "
+        "its memory (give each the card's memory_gb), and memory quotas are planned per card; omitted: a card of "
+        "its own",
+    )
 
 
 class ClusterSpec(Strict):
