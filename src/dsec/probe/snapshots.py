@@ -138,6 +138,11 @@ class ProbeSnapshots:
             return self._restore()
         return False
 
+    def request(self, name: str) -> None:
+        """A snapshot at the end of the current optimizer step (in a DDP group: when the ranks agree on it), as the
+        control plane's ``snapshot_now`` asks; ``name`` is its request, recorded with it."""
+        self._requests.append(name)
+
     def _poll_request(self) -> None:
         act = self.probe.actuators
         if act.snapshot_now and act.snapshot_now != self._last_request:

@@ -66,6 +66,15 @@ def drainable(limit_gb: Any, ceiling_gb: Any, slope_gb_per_s: Any) -> Any:
     return (limit_gb >= ceiling_gb - AT_CEILING_GB) & (slope_gb_per_s > 0) & (slope_gb_per_s < BURST_RAMP_GB_PER_S)
 
 
+def burst_at_risk(used_gb: Any, slope_gb_per_s: Any, limit_gb: Any, horizon_s: float) -> Any:
+    """Whether a burst is about to fail its allocation: memory rising at least as steeply as a burst and, at that
+    slope, past ``limit_gb`` (the allocator cap in force) within ``horizon_s``. A burst is let run into free memory
+    (a stop would cost a restart it may not need), so what is worth doing ahead of its out-of-memory error is a
+    snapshot: if the burst then fails, the restart loses nothing (dsec.probe.recycle's burst snapshot; the simulator's
+    ``dsec.burst_snapshots``). Scalars or numpy arrays; a NaN limit or slope is never at risk."""
+    return (slope_gb_per_s >= BURST_RAMP_GB_PER_S) & (used_gb + slope_gb_per_s * horizon_s > limit_gb)
+
+
 def bursting(burst_t: Any, now: float) -> Any:
     """Whether a worker is in a burst (or its hold) at ``now``; element-wise over arrays."""
     return np.asarray(now - np.asarray(burst_t, dtype=float)) <= BURST_HOLD_S

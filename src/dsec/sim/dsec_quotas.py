@@ -14,7 +14,7 @@ import numpy as np
 
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.quota.relief import CardWorker, relief
-from dsec.quota.trend import bursting, drainable, observe_arrays
+from dsec.quota.trend import BURST_RAMP_GB_PER_S, burst_at_risk, bursting, drainable, observe_arrays
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
 
@@ -49,6 +49,8 @@ class QuotaPass(Regime):
         self.trend = [np.full(sim.N, -math.inf), np.zeros(sim.N), np.zeros(sim.N), np.zeros(sim.N),
                       np.full(sim.N, -math.inf), np.full(sim.N, -math.inf)]  # fmt: skip
         self.plan_bursting = np.zeros(sim.N, dtype=bool)
+        # Learners whose current burst was snapshotted already (the probe snapshots once per burst).
+        self.burst_saved = np.zeros(sim.N, dtype=bool)
         self.plan_ramp = np.full(sim.N, -1.0)
         self.plan_peak = np.full(sim.N, -1.0)
 
@@ -98,6 +100,27 @@ class QuotaPass(Regime):
             slope = np.where(dt > 0, (mem[over] - used0) / dt, math.inf)
         # The probe's rule (NaN limit: no limit, not drainable), and not a burst the control plane still counts.
         return np.asarray(drainable(limit, ceiling, slope) & ~bursting(self.trend[5][over], t), dtype=bool)
+
+    def _burst_snapshots(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        """The probe's snapshot ahead of a burst's OOM (``dsec.quota.trend.burst_at_risk``): a learner rising at a
+        burst's rate over the last sample that would pass its allocator cap before the next one has its group
+        snapshot now, once per burst (a sample below the burst line ends it). Call before this sample's trends. The
+        probe sees every optimizer step and looks 2 s ahead; the simulator sees 5 s samples and looks one ahead.
+        Actors hold no state to save (they restart alone)."""
+        sim = self.sim
+        ws = run[sim.is_learner[run]]
+        if not len(ws):
+            return
+        dt = t - self.trend[0][ws]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            slope = np.where(dt > 0, (mem[ws] - self.trend[1][ws]) / dt, 0.0)
+        self.burst_saved[ws[slope < BURST_RAMP_GB_PER_S]] = False
+        cap = np.where(np.isnan(self.limit[ws]), self.quota[ws], self.limit[ws])
+        due = ws[burst_at_risk(mem[ws], slope, cap, self.sc.sample_interval_s) & ~self.burst_saved[ws]]
+        for w in due.tolist():
+            self.burst_saved[w] = True
+            self.counts["burst_snapshots"] += 1
+            sim.save(int(sim.group_of[w]), t)
 
     def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""

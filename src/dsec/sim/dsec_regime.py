@@ -198,6 +198,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.limit[w] = self.knobs[(pool, "memory_ceiling_gb")] or math.nan
         for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf, -math.inf), strict=True):
             arr[w] = v  # a new process: the old one's trend is gone with it
+        self.burst_saved[w] = False
 
     def durable_interval(self, g: int, t: float) -> float:
         if self.sc.dsec.snapshot_cadence == "fixed":
@@ -218,6 +219,8 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             run = self.running_workers()
         if len(run):
             if self.sc.dsec.quotas:
+                if self.sc.dsec.burst_snapshots:
+                    self._burst_snapshots(t, run, mem)
                 self._observe_trends(t, run, mem)
                 self._quotas(t, run, mem)
                 if self.sc.dsec.memory_relief:

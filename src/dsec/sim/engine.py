@@ -231,6 +231,18 @@ class Simulation:
         for w in self.workers_of(g):
             self._rejoin(w, t)
 
+    def save(self, g: int, t: float) -> None:
+        """Group ``g`` (running) saves its state now (a periodic checkpoint or snapshot, or one a regime asks for at
+        ``t``): what it trained so far becomes durable; training stands still for the save's cost. The periodic
+        schedule is not moved."""
+        if self.status[g] != RUN:
+            return
+        self.account(t, slice(g, g + 1))
+        self.durable[g] = self.progress[g]
+        cost = self.regime.durable_cost_s
+        self.acc_t[g] = max(self.acc_t[g], t) + cost  # training stands still while the state is saved
+        self.blocked_s[g] += cost
+
     def fail(self, g: int, t: float, cause: str, victims: list[int], durable_first: bool = False) -> None:
         """Workers ``victims`` of group ``g`` ended at ``t`` (crash, OOM, power, migration); the group stops and
         the regime restarts it. ``durable_first``: the state was saved just before (planned moves)."""
@@ -327,11 +339,7 @@ class Simulation:
             self._fault_free_rate(g)
             self._push(t + self.regime.durable_interval(g, t), _DURABLE, g)
         elif kind == _DURABLE and self.status[g] == RUN:
-            self.account(t, slice(g, g + 1))
-            self.durable[g] = self.progress[g]
-            cost = self.regime.durable_cost_s
-            self.acc_t[g] = t + cost  # training stands still while the state is saved
-            self.blocked_s[g] += cost
+            self.save(g, t)
             self._push(t + self.regime.durable_interval(g, t), _DURABLE, g)
 
     def _trace_event(self, t: float, kind: int, target: int, value: float) -> None:

@@ -118,3 +118,55 @@ def test_the_horizon_setting_takes_a_finite_number_and_falls_back_on_anything_el
     torch_probe: Callable[[dict[str, str | None]], Probe], raw: str, horizon: float
 ) -> None:
     assert torch_probe({"DSEC_MEMORY_RECYCLE_HORIZON_S": raw}).climb.horizon_s == horizon
+
+
+# -- a burst into the limit: a snapshot ahead of its out-of-memory error -----------------------------------------
+BURST = [(0.0, 20.0), (0.25, 20.1), (0.5, 20.2), (0.75, 20.3)]  # 0.4 GB/s, a sparse-reward rollout's rate
+
+
+def test_a_burst_rising_into_its_limit_within_the_horizon_is_due_for_a_snapshot_once() -> None:
+    w = watch_of(BURST)
+    assert w.burst_slope_gb_per_s() == pytest.approx(0.4)
+    assert not w.due(limit_gb=21.0, ceiling_gb=21.0)  # not a climb to drain: a burst is let run
+    assert not w.burst_due(limit_gb=21.2)  # 20.3 + 0.4 x 2 = 21.1: fits within the horizon
+    assert w.burst_due(limit_gb=21.0)
+    w.observe(1.0, 20.4)
+    assert not w.burst_due(limit_gb=21.0)  # the same burst: snapshotted once
+    for t in (1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0):
+        w.observe(t, 20.4)  # it holds: below the burst line, the burst is over
+    assert not w.burst_due(limit_gb=21.0)
+    for i, t in enumerate((3.25, 3.5, 3.75, 4.0), start=1):
+        w.observe(t, 20.4 + 0.1 * i)
+    assert w.burst_due(limit_gb=21.0)  # a new burst
+
+
+def test_a_slow_climb_no_limit_or_horizon_0_is_never_due_for_a_burst_snapshot() -> None:
+    assert not watch_of(CLIMB).burst_due(limit_gb=20.1)  # 0.04 GB/s: a climb (the drain's), not a burst
+    assert not watch_of(BURST).burst_due(limit_gb=None)
+    assert not watch_of(BURST, horizon_s=0).burst_due(limit_gb=20.4)
+    assert not watch_of(BURST[:2]).burst_due(limit_gb=20.2)  # a quarter second: no slope yet
+
+
+@pytest.mark.parametrize("horizon", ["2", "0"])
+def test_a_burst_that_fails_at_its_limit_restarts_from_a_snapshot_taken_as_it_rose(
+    torch_probe: Callable[[dict[str, str | None]], Probe], tmp_path: Path, horizon: str
+) -> None:
+    probe = torch_probe({
+        "DSEC_FAKE_CARD": f"path={tmp_path / 'card0'},memory_gb=8,base_gb=4,limits=obey",
+        "DSEC_CHAOS": "memory_growth_mb_per_s=410,max_mb=2048",  # a 0.4 GB/s burst, up to 2 GB
+        "DSEC_SNAPSHOT_DIR": str(tmp_path / "snaps"),  # no interval: no periodic snapshot
+        "DSEC_MEMORY_RECYCLE_HORIZON_S": horizon,
+    })  # fmt: skip
+    # Past the ceiling (a burst's limit runs into free memory), but not as far as this burst goes.
+    probe.actuators.memory_quota_gb, probe.actuators.memory_limit_gb, probe.actuators.memory_ceiling_gb = 4.0, 5.0, 4.5
+    _, stopped = _train(probe, 10.0)
+    assert isinstance(stopped, torch.OutOfMemoryError) and "limit" in str(stopped), stopped
+    snaps = probe.snapshots
+    assert snaps is not None and snaps.snapshotter is not None
+    snaps.snapshotter.wait_idle(30.0)
+    report = snaps.snapshotter.restore_latest()
+    if horizon == "0":
+        assert report is None  # off: the restart would go back to the last periodic snapshot (none here)
+        return
+    # ~2.5 s of rise into a 1 GB gap at 50 ms a step: the snapshot came within the last few dozen steps, not before it.
+    assert report is not None and 0 < snaps.steps - report.step <= 40, (snaps.steps, report.step)

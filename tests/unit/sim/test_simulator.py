@@ -468,6 +468,32 @@ def test_quota_limits_let_a_burst_use_free_memory_the_first_design_failed_it() -
     assert ooms["limits"] <= ooms["no quotas"] < ooms["first design"]
 
 
+def test_a_learner_whose_burst_rises_into_its_limit_snapshots_first_so_its_oom_rolls_back_one_sample() -> None:
+    """The probe's burst snapshot (dsec.quota.trend.burst_at_risk): a learner rising at a burst's rate that will pass
+    its allocator cap before the next sample has its group snapshot now; its OOM then rolls back what one sample
+    trained, not what the periodic snapshot (every 10 min here) left. A learner failed by a card-mate's burst
+    (the largest user of a full card) is not protected: it was not rising."""
+    over = {
+        **QUIET,
+        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": 10}},
+        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "fixed",
+                 "snapshot_interval_s": 600},
+        "duration_h": 4.0,
+    }  # fmt: skip
+    runs = {}
+    for on in (True, False):
+        _, outcome = run_one(small(**{**over, "dsec": {**over["dsec"], "burst_snapshots": on}}), "dsec")
+        runs[on] = outcome
+    one_sample = runs[True].ideal_rate * small().sample_interval_s * 1.01
+    rolled = {
+        on: [i.rolled_back_steps for i in o.interruptions if i.cause == "oom" and i.learners] for on, o in runs.items()
+    }
+    assert len(rolled[True]) == len(rolled[False]) >= 2  # the same bursts fail the same learners
+    assert runs[True].decisions["burst_snapshots"] >= 1 and "burst_snapshots" not in runs[False].decisions
+    assert sum(r <= one_sample for r in rolled[True]) >= 2 and not any(r <= one_sample for r in rolled[False])
+    assert sum(rolled[True]) < sum(rolled[False]) and runs[True].progress.sum() > runs[False].progress.sum()
+
+
 @pytest.mark.slow  # ~12 s; memory relief is a design study the control plane does not run
 def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_ooms() -> None:
     # The design study (dsec.quota.relief) on the scenario its figures come from (rl-128: four 14 GB workers per
