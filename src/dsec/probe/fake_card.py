@@ -120,6 +120,9 @@ class FakeCard:
         self.pid = os.getpid() if pid is None else pid
         self.held_gb = 0.0
         self.ooms = 0
+        # What the other processes held at this process's last allocation (the card's free memory for it is
+        # memory_gb - others_gb; CUDA's torch.cuda.mem_get_info gives the same reading on a real card).
+        self.others_gb = 0.0
         self._lock = threading.Lock()  # one allocation at a time within this process; the file lock across them
 
     @classmethod
@@ -156,8 +159,8 @@ class FakeCard:
             for pid in [p for p in rows if p != self.pid and not _alive(p)]:
                 del rows[pid]  # the driver released a dead process's memory
             held = rows.get(self.pid, 0.0)
+            others = self.others_gb = sum(gb for pid, gb in rows.items() if pid != self.pid)
             if want_gb > held:
-                others = sum(gb for pid, gb in rows.items() if pid != self.pid)
                 grow = want_gb - held
                 if self.spec.obey_limits and limit_gb is not None and want_gb > limit_gb:
                     self.ooms += 1
@@ -174,6 +177,10 @@ class FakeCard:
                     )
             rows[self.pid] = want_gb
             self.held_gb = want_gb
+
+    def room_gb(self) -> float:
+        """What this process could hold on the card as of its last allocation: the card less the others' holdings."""
+        return self.spec.memory_gb - self.others_gb
 
     def used_gb(self) -> float:
         """Memory held on the card by every live process (a reader's view, like nvidia-smi's)."""

@@ -20,8 +20,8 @@ cap in force (no quota, or an allocator nobody caps) or no snapshots: nothing to
 runs into, as before.
 
 A burst gets a snapshot instead (``ClimbWatch.burst_due``, ``dsec.quota.trend.burst_at_risk``): memory rising at a
-burst's rate over the last ``burst_window_s`` that, at that rate, passes the allocator limit in force within
-``horizon_s`` has the process snapshot at the end of this optimizer step (a request like the control plane's
+burst's rate over the last ``burst_window_s`` that, at that rate, passes the allocator limit in force or the
+card's free memory (whichever binds first) within ``horizon_s`` has the process snapshot at the end of this optimizer step (a request like the control plane's
 ``snapshot_now``; in a DDP group the ranks agree on it in the next sync header), once per burst. The process runs
 on: the burst may fit (its limit runs into the card's free memory). If it does not, the allocation fails as before
 and the restart resumes from that snapshot instead of the last periodic one (which the snapshot cadence spaces by

@@ -195,13 +195,19 @@ class Probe:
         self.climb.observe(time.monotonic(), card.held_gb)
         if not self._recycle_failed and self.climb.due(cap, self.actuators.memory_ceiling_gb):
             self._recycle = (card.held_gb, cap, self.climb.slope_gb_per_s())
-        elif self.snapshots is not None and self.snapshots.snapshotter is not None and self.climb.burst_due(cap):
+        # A burst fails at whichever comes first: its allocator limit or the card's free memory.
+        elif (
+            self.snapshots is not None
+            and self.snapshots.snapshotter is not None
+            and self.climb.burst_due(bound := min(card.room_gb(), math.inf if cap is None else cap))
+        ):
             slope = self.climb.burst_slope_gb_per_s()
             self.snapshots.request("memory_burst")
-            message = (f"a burst rising {slope or 0.0:.3f} GB/s toward its allocator limit {cap} GB "
-                       f"({card.held_gb:.2f} GB held): a snapshot at this step")  # fmt: skip
+            message = (f"a burst rising {slope or 0.0:.3f} GB/s toward {bound:.2f} GB (its allocator limit "
+                       f"{cap} GB, the card's room {card.room_gb():.2f} GB; {card.held_gb:.2f} GB held): a snapshot "
+                       "at this step")  # fmt: skip
             self.event("log", memory_burst_snapshot=message, held_gb=round(card.held_gb, 3), limit_gb=cap,
-                       slope_gb_per_s=slope)  # fmt: skip
+                       room_gb=round(card.room_gb(), 3), slope_gb_per_s=slope)  # fmt: skip
 
     def after_optimizer_step(self) -> None:
         """After an optimizer step of the training code: when the climb is due to be recycled, write a snapshot of

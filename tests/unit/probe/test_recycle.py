@@ -4,6 +4,8 @@ allocator, or where there is no snapshot to restart from."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -147,20 +149,28 @@ def test_a_slow_climb_no_limit_or_horizon_0_is_never_due_for_a_burst_snapshot() 
     assert not watch_of(BURST[:2]).burst_due(limit_gb=20.2)  # a quarter second: no slope yet
 
 
-@pytest.mark.parametrize("horizon", ["2", "0"])
+@pytest.mark.parametrize(("horizon", "fails_at"), [("2", "limit"), ("0", "limit"), ("2", "the card")])
 def test_a_burst_that_fails_at_its_limit_restarts_from_a_snapshot_taken_as_it_rose(
-    torch_probe: Callable[[dict[str, str | None]], Probe], tmp_path: Path, horizon: str
+    torch_probe: Callable[[dict[str, str | None]], Probe], tmp_path: Path, horizon: str, fails_at: str
 ) -> None:
+    if fails_at == "the card":  # another process (this test's parent: alive) holds 3.5 of the card's 8 GB
+        (tmp_path / "card0").write_text(json.dumps({str(os.getppid()): 3.5}))
     probe = torch_probe({
         "DSEC_FAKE_CARD": f"path={tmp_path / 'card0'},memory_gb=8,base_gb=4,limits=obey",
         "DSEC_CHAOS": "memory_growth_mb_per_s=410,max_mb=2048",  # a 0.4 GB/s burst, up to 2 GB
         "DSEC_SNAPSHOT_DIR": str(tmp_path / "snaps"),  # no interval: no periodic snapshot
         "DSEC_MEMORY_RECYCLE_HORIZON_S": horizon,
     })  # fmt: skip
-    # Past the ceiling (a burst's limit runs into free memory), but not as far as this burst goes.
-    probe.actuators.memory_quota_gb, probe.actuators.memory_limit_gb, probe.actuators.memory_ceiling_gb = 4.0, 5.0, 4.5
+    # Past the ceiling (a burst's limit runs into free memory), but not as far as this burst goes; or a limit past
+    # the card's room (4.5 GB left beside the other process): the card binds first.
+    limit = 5.0 if fails_at == "limit" else 7.5
+    probe.actuators.memory_quota_gb, probe.actuators.memory_limit_gb, probe.actuators.memory_ceiling_gb = (
+        4.0,
+        limit,
+        4.5,
+    )
     _, stopped = _train(probe, 10.0)
-    assert isinstance(stopped, torch.OutOfMemoryError) and "limit" in str(stopped), stopped
+    assert isinstance(stopped, torch.OutOfMemoryError) and fails_at in str(stopped), stopped
     snaps = probe.snapshots
     assert snaps is not None and snaps.snapshotter is not None
     snaps.snapshotter.wait_idle(30.0)
