@@ -209,6 +209,11 @@ def _restart_and_heal(
     scenes_ok["memory quotas: a slow climb into its ceiling -> drained (snapshot, stop, restart from it), no OOM"] = (
         memory_phase.drained(run, memory)
     )
+    run.console.print("a learner whose memory bursts past its card: a snapshot as it rises, then its OOM")
+    burst = memory_phase.memory_burst(run, MEMORY_POOL, run.state["endpoint"], home)
+    scenes_ok["memory burst: snapshotted as it rose -> its OOM's restart resumed from there, not a minute back"] = (
+        memory_phase.burst_saved(run, burst)
+    )
     scenes_ok["training processes finished cleanly"] = learners_ok
 
 

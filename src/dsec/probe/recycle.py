@@ -20,13 +20,14 @@ cap in force (no quota, or an allocator nobody caps) or no snapshots: nothing to
 runs into, as before.
 
 A burst gets a snapshot instead (``ClimbWatch.burst_due``, ``dsec.quota.trend.burst_at_risk``): memory rising at a
-burst's rate over the last ``burst_window_s`` that, at that rate, passes the allocator limit in force or the
-card's free memory (whichever binds first) within ``horizon_s`` has the process snapshot at the end of this optimizer step (a request like the control plane's
-``snapshot_now``; in a DDP group the ranks agree on it in the next sync header), once per burst. The process runs
-on: the burst may fit (its limit runs into the card's free memory). If it does not, the allocation fails as before
-and the restart resumes from that snapshot instead of the last periodic one (which the snapshot cadence spaces by
-the failure history: minutes apart when failures are rare). Measured in the simulator (rl-128, one day): a learner's
-OOM rolled its group back 31-489 steps; with the snapshot, 7.
+burst's rate over the last ``burst_window_s`` that, at that rate, passes the allocator limit in force or the card's
+free memory (whichever binds first) within ``horizon_s`` has the process snapshot at the end of this optimizer step
+(a request like the control plane's ``snapshot_now``; in a DDP group the ranks agree on it in the next sync header),
+once per burst and bound (a limit the control plane raised meanwhile is a new bound). The process runs on: the burst
+may fit (its limit runs into the card's free memory). If it does not, the allocation fails as before and the restart
+resumes from that snapshot instead of the last periodic one (which the snapshot cadence spaces by the failure
+history: minutes apart when failures are rare). Measured in the simulator (rl-128, one day): a learner's OOM rolled
+its group back 31-489 steps; with the snapshot, 7.
 
 ``DSEC_MEMORY_RECYCLE_HORIZON_S`` sets ``horizon_s`` for both (default 2; 0 turns both off). Both read the memory
 of a fake card (dsec.probe.fake_card); the CUDA allocator's is not wired to them yet.
@@ -38,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dsec.probe.memory import growth_gb_per_h
-from dsec.quota.trend import BURST_RAMP_GB_PER_S, burst_at_risk, drainable
+from dsec.quota.trend import AT_CEILING_GB, BURST_RAMP_GB_PER_S, burst_at_risk, drainable
 
 
 class MemoryRecycle(BaseException):
@@ -58,7 +59,9 @@ class ClimbWatch:
     burst_window_s: float = 2.0
     _samples: deque[tuple[float, float]] = field(default_factory=deque)
     _slope: float | None = None
-    _burst_snapped: bool = False  # this burst (readings rising at a burst's rate since) was snapshotted already
+    # The bound this burst (readings rising at a burst's rate since) was snapshotted for; None: not yet. A bound that
+    # rose since (the control plane ran the limit past the ceiling) is a new risk: the snapshot is re-taken near it.
+    _burst_bound: float | None = None
 
     def observe(self, now: float, held_gb: float) -> None:
         if self._samples and now - self._samples[-1][0] < self.every_s:
@@ -101,15 +104,18 @@ class ClimbWatch:
 
     def burst_due(self, limit_gb: float | None) -> bool:
         """Whether to snapshot now ahead of a burst's out-of-memory error (see the module docstring): rising at a
-        burst's rate into ``limit_gb`` (the allocator cap in force) within the horizon, and not snapshotted yet in
-        this burst. True once per burst: a reading below the burst line ends it."""
+        burst's rate into ``limit_gb`` (what binds first: the allocator cap, the card's room) within the horizon,
+        and not snapshotted yet in this burst for this bound. Once per burst and bound: a reading below the burst
+        line ends the burst; a bound that rose is a new one (the snapshot for the old one is stale by then)."""
         slope = self.burst_slope_gb_per_s()
         if slope is None or slope < BURST_RAMP_GB_PER_S:
-            self._burst_snapped = False
+            self._burst_bound = None
             return False
-        if self.horizon_s <= 0 or limit_gb is None or self._burst_snapped:
+        if self.horizon_s <= 0 or limit_gb is None:
+            return False
+        if self._burst_bound is not None and limit_gb <= self._burst_bound + AT_CEILING_GB:
             return False
         if not burst_at_risk(self._samples[-1][1], slope, limit_gb, self.horizon_s):
             return False
-        self._burst_snapped = True
+        self._burst_bound = limit_gb
         return True

@@ -189,7 +189,7 @@ class Probe:
             card.hold(want, limit)
         except RuntimeError as exc:
             self.event("log", urgent=True, oom=str(exc), want_gb=round(want, 3), held_gb=round(card.held_gb, 3),
-                       limit_gb=limit)  # fmt: skip
+                       limit_gb=limit, step=self._steps())  # fmt: skip
             raise
         cap = limit if card.spec.obey_limits else None  # an allocator nobody caps has no limit to drain before
         self.climb.observe(time.monotonic(), card.held_gb)
@@ -207,7 +207,12 @@ class Probe:
                        f"{cap} GB, the card's room {card.room_gb():.2f} GB; {card.held_gb:.2f} GB held): a snapshot "
                        "at this step")  # fmt: skip
             self.event("log", memory_burst_snapshot=message, held_gb=round(card.held_gb, 3), limit_gb=cap,
-                       room_gb=round(card.room_gb(), 3), slope_gb_per_s=slope)  # fmt: skip
+                       room_gb=round(card.room_gb(), 3), slope_gb_per_s=slope, step=self._steps())  # fmt: skip
+
+    def _steps(self) -> int | None:
+        """Optimizer steps this process's state has taken (a restore sets it to the snapshot's step); None: no
+        snapshots."""
+        return self.snapshots.steps if self.snapshots is not None else None
 
     def after_optimizer_step(self) -> None:
         """After an optimizer step of the training code: when the climb is due to be recycled, write a snapshot of

@@ -14,7 +14,7 @@ import numpy as np
 
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.quota.relief import CardWorker, relief
-from dsec.quota.trend import BURST_RAMP_GB_PER_S, burst_at_risk, bursting, drainable, observe_arrays
+from dsec.quota.trend import AT_CEILING_GB, BURST_RAMP_GB_PER_S, burst_at_risk, bursting, drainable, observe_arrays
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
 
@@ -49,8 +49,9 @@ class QuotaPass(Regime):
         self.trend = [np.full(sim.N, -math.inf), np.zeros(sim.N), np.zeros(sim.N), np.zeros(sim.N),
                       np.full(sim.N, -math.inf), np.full(sim.N, -math.inf)]  # fmt: skip
         self.plan_bursting = np.zeros(sim.N, dtype=bool)
-        # Learners whose current burst was snapshotted already (the probe snapshots once per burst).
-        self.burst_saved = np.zeros(sim.N, dtype=bool)
+        # The cap each learner's current burst was snapshotted for (NaN: not yet); the probe snapshots once per burst
+        # and cap, and again if the cap rose meanwhile (the snapshot for the old one is stale by then).
+        self.burst_saved = np.full(sim.N, np.nan)
         self.plan_ramp = np.full(sim.N, -1.0)
         self.plan_peak = np.full(sim.N, -1.0)
 
@@ -104,9 +105,10 @@ class QuotaPass(Regime):
     def _burst_snapshots(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """The probe's snapshot ahead of a burst's OOM (``dsec.quota.trend.burst_at_risk``): a learner rising at a
         burst's rate over the last sample that would pass its allocator cap before the next one has its group
-        snapshot now, once per burst (a sample below the burst line ends it). Call before this sample's trends. The
-        probe sees every optimizer step and looks 2 s ahead; the simulator sees 5 s samples and looks one ahead.
-        Actors hold no state to save (they restart alone)."""
+        snapshot now, once per burst and cap (a sample below the burst line ends the burst; a cap that rose since
+        is a new risk). The cap is what binds first: the allocator limit or the card's room beside its card-mates.
+        Call before this sample's trends. The probe sees every optimizer step and looks 2 s ahead; the simulator
+        sees 5 s samples and looks one ahead. Actors hold no state to save (they restart alone)."""
         sim = self.sim
         ws = run[sim.is_learner[run]]
         if not len(ws):
@@ -114,11 +116,17 @@ class QuotaPass(Regime):
         dt = t - self.trend[0][ws]
         with np.errstate(invalid="ignore", divide="ignore"):
             slope = np.where(dt > 0, (mem[ws] - self.trend[1][ws]) / dt, 0.0)
-        self.burst_saved[ws[slope < BURST_RAMP_GB_PER_S]] = False
-        cap = np.where(np.isnan(self.limit[ws]), self.quota[ws], self.limit[ws])
-        due = ws[burst_at_risk(mem[ws], slope, cap, self.sc.sample_interval_s) & ~self.burst_saved[ws]]
-        for w in due.tolist():
-            self.burst_saved[w] = True
+        self.burst_saved[ws[slope < BURST_RAMP_GB_PER_S]] = np.nan
+        # What binds first, as the probe reads it: the allocator cap, or the card's room beside its card-mates.
+        card = sim.slot_of[run] // sim.layout.workers_per_gpu
+        on_card = np.bincount(card, weights=mem[run], minlength=sim.layout.cards)
+        room = self.sc.cluster.gpu_memory_gb - (on_card[sim.slot_of[ws] // sim.layout.workers_per_gpu] - mem[ws])
+        cap = np.minimum(np.where(np.isnan(self.limit[ws]), self.quota[ws], self.limit[ws]), room)
+        saved = self.burst_saved[ws]
+        fresh = np.isnan(saved) | (cap > np.where(np.isnan(saved), -np.inf, saved) + AT_CEILING_GB)
+        due_at = burst_at_risk(mem[ws], slope, cap, self.sc.sample_interval_s) & fresh
+        for w, c in zip(ws[due_at].tolist(), cap[due_at].tolist(), strict=True):
+            self.burst_saved[w] = c
             self.counts["burst_snapshots"] += 1
             sim.save(int(sim.group_of[w]), t)
 

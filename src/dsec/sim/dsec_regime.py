@@ -198,7 +198,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         self.limit[w] = self.knobs[(pool, "memory_ceiling_gb")] or math.nan
         for arr, v in zip(self.trend, (-math.inf, 0.0, 0.0, 0.0, -math.inf, -math.inf), strict=True):
             arr[w] = v  # a new process: the old one's trend is gone with it
-        self.burst_saved[w] = False
+        self.burst_saved[w] = math.nan
 
     def durable_interval(self, g: int, t: float) -> float:
         if self.sc.dsec.snapshot_cadence == "fixed":

@@ -142,6 +142,18 @@ def test_a_burst_rising_into_its_limit_within_the_horizon_is_due_for_a_snapshot_
     assert w.burst_due(limit_gb=21.0)  # a new burst
 
 
+def test_a_burst_whose_limit_was_raised_meanwhile_is_snapshotted_again_near_the_new_one() -> None:
+    w = watch_of(BURST)
+    assert w.burst_due(limit_gb=21.0)
+    assert not w.burst_due(limit_gb=21.0)
+    for i, t in enumerate((1.0, 1.25, 1.5, 1.75, 2.0, 2.25), start=1):
+        w.observe(t, 20.3 + 0.1 * i)  # the control plane ran the limit past the ceiling: 28 GB now, far off
+        assert not w.burst_due(limit_gb=28.0)
+    # A card-mate took the room: the bound is 21.5 now, within reach again, and not the 21.0 snapshotted for (that
+    # snapshot is 1.5 s of training old).
+    assert w.burst_due(limit_gb=21.5)
+
+
 def test_a_slow_climb_no_limit_or_horizon_0_is_never_due_for_a_burst_snapshot() -> None:
     assert not watch_of(CLIMB).burst_due(limit_gb=20.1)  # 0.04 GB/s: a climb (the drain's), not a burst
     assert not watch_of(BURST).burst_due(limit_gb=None)
