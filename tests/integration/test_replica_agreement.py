@@ -271,3 +271,39 @@ def test_without_role_the_snapshot_names_are_stable_and_a_restart_restores(
     restores = _restores(server)
     assert {d["status"] for d in restores.values()} == {"ok"}, restores
     assert {d["agreed_step"] for d in restores.values()} == {max(held)}
+
+
+def test_a_burst_on_one_rank_is_snapshotted_by_the_whole_group_at_one_step_before_its_oom(
+    server: Harness, jobs: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """The burst snapshot (dsec.probe.recycle) asked for by one rank of a DDP group: the ranks agree on it in the sync
+    header and each writes its snapshot at the same step, before the bursting rank's OOM; no periodic snapshot here
+    (no interval), so those are the only ones and a restart of the group restores one agreed step."""
+    snapdir = tmp_path / "snaps"
+    n = len(jobs)
+    out, log = tmp_path / f"out{n}.json", tmp_path / f"job{n}.log"
+    token = server.pool_tokens["pool-a"]
+    cmd = [str(DSEC), "run", "--endpoint", server.url, "--sandbox-id", "pool-a", "--token", token, "--role", "learner",
+           "--snapshot-dir", str(snapdir), "--", sys.executable, str(FIXTURE), "--world", "2", "--port",
+           str(free_port()), "--stop-file", str(tmp_path / "never"), "--out", str(out), "--max-steps", "3000",
+           "--sleep", "0.01"]  # fmt: skip
+    env = {
+        **os.environ,
+        "DSEC_HEARTBEAT_INTERVAL": "0.2",
+        "GLOO_SOCKET_IFNAME": "lo",
+        # Both ranks hold 2 GB of a 6 GB card; rank 0 bursts at 0.4 GB/s from 1 s on and fills it ~5 s later.
+        "DSEC_FAKE_CARD": f"path={tmp_path / 'card0'},memory_gb=6,base_gb=2",
+        "DSEC_CHAOS": "memory_growth_mb_per_s=410,max_mb=4096,rank=0,after_s=1",
+    }
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    jobs.append(proc)
+    assert proc.wait(timeout=120) != 0, log.read_text()[-3000:]  # rank 0's OOM ends the job
+    text = log.read_text()
+    assert "OutOfMemoryError" in text and "the card has 6 GiB" in text, text[-3000:]
+    held = [_steps_held(snapdir, f"default-learner-{r}") for r in range(2)]
+    assert held[0] and held[0] == held[1], held  # the same steps on both ranks: agreed, not one rank's own
+    bursts = [e for e in _events(server, "log") if "memory_burst_snapshot" in e["data"]]
+    assert bursts and bursts[0]["data"]["room_gb"] == pytest.approx(4.0, abs=0.01), bursts
+    ooms = [e for e in _events(server, "log") if "oom" in e["data"]]
+    assert ooms and max(held[0]) <= ooms[0]["data"]["step"], (held, ooms)
