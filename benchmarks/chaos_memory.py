@@ -19,8 +19,8 @@ probe's ``DSEC_CHAOS`` memory growth, which with a card is device memory:
 
 A restarted process starts its windows again (a leak leaks again). The control plane sees the card as two devices
 (the card's two process slots) of one card (``card``), each with the card's memory; the pool's base is ``--base-gb``
-and its ceiling ``--ceiling-gb``. Its elastic quotas (dsec.quota.elastic) issue each worker's grant and allocator limit: a slow climb is
-stopped at the ceiling, a burst's limit runs past it into the card's free memory.
+and its ceiling ``--ceiling-gb``. Its elastic quotas (dsec.quota.elastic) issue each worker's grant and allocator
+limit: a slow climb is stopped at the ceiling, a burst's limit runs past it into the card's free memory.
 
 The defaults put the collision inside a run of a few minutes: without caps the leaker takes the steady worker's
 burst room after ~2 GB of leak (~55 s), and the steady worker's bursts then fail for want of card; with caps the
