@@ -62,7 +62,7 @@ class QuotaPass(Regime):
         if not self.sc.dsec.quotas:
             cap = np.full(len(run), math.inf)
         elif self.sc.dsec.quota_limits:
-            cap = np.where(np.isnan(self.limit[run]), self.quota[run], self.limit[run])
+            cap = self._allocator_cap(run)
         else:  # the first design: the allocator capped at the grant
             cap = self.quota[run]
         over = run[mem[run] > cap + 1e-9]
@@ -95,10 +95,7 @@ class QuotaPass(Regime):
         limit = self.limit[over]
         pools = [self.pool_names[int(g)] for g in sim.group_of[over].tolist()]
         ceiling = np.array([self.knobs[(p, "memory_ceiling_gb")] or math.inf for p in pools])
-        t0, used0 = self.trend[0][over], self.trend[1][over]
-        dt = t - t0
-        with np.errstate(invalid="ignore", divide="ignore"):
-            slope = np.where(dt > 0, (mem[over] - used0) / dt, math.inf)
+        slope = self._sample_slope(t, over, mem, math.inf)
         # The probe's rule (NaN limit: no limit, not drainable), and not a burst the control plane still counts.
         return np.asarray(drainable(limit, ceiling, slope) & ~bursting(self.trend[5][over], t), dtype=bool)
 
@@ -113,15 +110,13 @@ class QuotaPass(Regime):
         ws = run[sim.is_learner[run]]
         if not len(ws):
             return
-        dt = t - self.trend[0][ws]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            slope = np.where(dt > 0, (mem[ws] - self.trend[1][ws]) / dt, 0.0)
+        slope = self._sample_slope(t, ws, mem, 0.0)
         self.burst_saved[ws[slope < BURST_RAMP_GB_PER_S]] = np.nan
         # What binds first, as the probe reads it: the allocator cap, or the card's room beside its card-mates.
         card = sim.slot_of[run] // sim.layout.workers_per_gpu
         on_card = np.bincount(card, weights=mem[run], minlength=sim.layout.cards)
         room = self.sc.cluster.gpu_memory_gb - (on_card[sim.slot_of[ws] // sim.layout.workers_per_gpu] - mem[ws])
-        cap = np.minimum(np.where(np.isnan(self.limit[ws]), self.quota[ws], self.limit[ws]), room)
+        cap = np.minimum(self._allocator_cap(ws), room)
         saved = self.burst_saved[ws]
         fresh = np.isnan(saved) | (cap > np.where(np.isnan(saved), -np.inf, saved) + AT_CEILING_GB)
         due_at = burst_at_risk(mem[ws], slope, cap, self.sc.sample_interval_s) & fresh
@@ -129,6 +124,18 @@ class QuotaPass(Regime):
             self.burst_saved[w] = c
             self.counts["burst_snapshots"] += 1
             sim.save(int(sim.group_of[w]), t)
+
+    def _allocator_cap(self, ws: np.ndarray) -> np.ndarray:
+        """The allocator cap each worker's probe enforces: its limit, or its grant where no limit was issued."""
+        cap: np.ndarray = np.where(np.isnan(self.limit[ws]), self.quota[ws], self.limit[ws])
+        return cap
+
+    def _sample_slope(self, t: float, ws: np.ndarray, mem: np.ndarray, unknown: float) -> np.ndarray:
+        """Each worker's memory growth (GB/s) since its trend's last reading (``unknown`` where it has none)."""
+        dt = t - self.trend[0][ws]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            slope: np.ndarray = np.where(dt > 0, (mem[ws] - self.trend[1][ws]) / dt, unknown)
+        return slope
 
     def _observe_trends(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """Each running worker's memory trend after this sample (``dsec.quota.trend.observe_arrays``)."""

@@ -146,9 +146,9 @@ class Dsec(_Strict):
     # 2026-12-06, such a worker fails at the cap.
     memory_drain: bool = True
     # The probe's snapshot ahead of a burst's OOM (dsec.probe.recycle, dsec.quota.trend.burst_at_risk): a learner whose
-    # memory rises at a burst's rate and, at that rate, passes its allocator limit before the next sample snapshots
-    # its group now (snapshot_cost_s), once per burst; if the burst then fails, the restart loses ~nothing. False: as
-    # before 2026-12-06 (the OOM rolls the group back to its last periodic snapshot).
+    # memory rises at a burst's rate and, at that rate, passes its allocator limit or its card's room before the next
+    # sample snapshots its group now (snapshot_cost_s), once per burst and bound; if the burst then fails, the restart
+    # loses ~nothing. False: as before 2026-12-06 (the OOM rolls the group back to its last periodic snapshot).
     burst_snapshots: bool = True
     device_health: bool = True
     # A design study, not what the control plane does yet (dsec.quota.relief): accumulation for the steepest-ramping
