@@ -103,6 +103,15 @@ def stops(logs: Path, group: str) -> list[str]:
     return out
 
 
+def snapshots_of(events: list[dict[str, Any]], ids: set[str]) -> list[dict[str, Any]]:
+    """The data of the snapshots the workers ``ids`` published, oldest first."""
+    return [
+        e["data"]
+        for e in events
+        if e["type"] == "snapshot" and e["worker_id"] in ids and (e["data"] or {}).get("status") == "ok"
+    ]
+
+
 def run(limits: str, recycle_s: float, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from dsec.client import Client
     from dsec.launch.jobfile import JobFile
@@ -130,7 +139,7 @@ def run(limits: str, recycle_s: float, work: Path, args: argparse.Namespace) -> 
                 "job": "ppo-memory",
                 "pool": POOL,
                 "snapshots": {"dir": str(work / "snapshots"), "interval_s": args.snapshot_interval,
-                              "cadence": "fixed"},
+                              "cadence": args.cadence},
                 "restart": {"max_restarts": 50, "resume_timeout_s": 120},
                 "groups": [
                     {
@@ -203,6 +212,12 @@ def run(limits: str, recycle_s: float, work: Path, args: argparse.Namespace) -> 
                 "last_limit_gb": next((q.get("limit_to_gb") for q in reversed(quota) if "limit_to_gb" in q), None),
                 "last_grant_gb": quota[-1].get("to_gb") if quota else None,
                 "last_avg_return": acc["last_avg_return"],
+                # What the cadence was told (--cadence failure_history): restarts that rolled the group back to a
+                # snapshot nobody took for the failure (a burst's OOM after its burst snapshot is not one), and the
+                # interval the learner's last snapshot reported.
+                "rollbacks_counted": sup.rollbacks[g],
+                "snapshots": len(snaps := snapshots_of(events, ids)),
+                "last_interval_s": next((d["interval_s"] for d in reversed(snaps) if "interval_s" in d), None),
             }
         out["ooms"] = sum(out[g]["ooms"] for g in GROUPS)
         out["optimizer_steps"] = sum(out[g]["ppo_updates"] for g in GROUPS) * OPT_STEPS_PER_UPDATE
@@ -237,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beat", type=float, default=0.5, help="heartbeat interval (s)")
     p.add_argument("--snapshot-interval", type=float, default=5.0)
     p.add_argument("--sides", default="on,off", help="comma-separated of on, off, on-no-recycle")
+    p.add_argument(
+        "--cadence",
+        default="fixed",
+        choices=("fixed", "failure_history"),
+        help="the job's snapshots.cadence (failure_history: --snapshot-interval is the prior)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep logs here (default: temporary)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)

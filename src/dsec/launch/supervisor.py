@@ -30,11 +30,13 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dsec.client import ClientError
 from dsec.job_history import GroupHistory, history_path, write_history
 from dsec.launch.base import Exit, Launcher, WorkerLaunch
+from dsec.launch.foreseen import foreseen_failure
 from dsec.launch.jobfile import JobFile
 from dsec.launch.launches import free_port, place_job, worker_launches
 from dsec.launch.recovery import Recovery, rank_rejoined
@@ -343,7 +345,9 @@ class Supervisor:
         self._live.pop(group, None)
         rec.stopped_at = time.time()
         self._trained_s[group], self._up_since[group] = self.history(group)[0], rec.stopped_at
-        if reason != MOVE:  # a move off a degraded device restores the snapshot taken for it
+        # A move off a degraded device restores the snapshot taken for it; a burst's OOM or a drain, the snapshot taken
+        # ahead of it (launch/foreseen.py): none argues for snapshotting more often.
+        if reason != MOVE and not self._foreseen(group, detected_at):
             self.rollbacks[group] += 1
         if self._spent(group, worker, code, reason):
             self._up_since.pop(group, None)
@@ -360,6 +364,16 @@ class Supervisor:
             self._complete(rec)
         else:
             self._pending[group] = rec
+
+    def _foreseen(self, group: str, failed_at: float) -> bool:
+        snaps = self.job.snapshots
+        if not snaps.enabled or snaps.cadence == "fixed":
+            return False
+        if foreseen_failure(Path(snaps.dir), group, failed_at):
+            log.info("group %s stopped right after a snapshot taken ahead of it (a memory burst or a drain): not "
+                     "counted as a rollback", group)  # fmt: skip
+            return True
+        return False
 
     def _spent(self, group: str, worker: str, code: int | None, reason: str) -> bool:
         """Give ``group`` up when it has used its restarts (heals count); else count this one. A move off a

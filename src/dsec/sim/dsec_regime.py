@@ -157,7 +157,12 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         return True
 
     def restart(self, g: int, t: float, cause: str, victims: list[int]) -> float:
-        if cause in ("crash", "oom"):
+        if cause == "oom" and self._foreseen(victims):
+            # A burst the probe saw coming: the group snapshotted just before it failed, so the restart loses next
+            # to nothing whatever the cadence. Young's interval is for the failures nobody foresaw (the supervisor
+            # counts the same way: launch/supervisor.py, ``foreseen``).
+            self.counts["foreseen_rollbacks"] += 1
+        elif cause in ("crash", "oom"):
             self.rollbacks[g] += 1  # a failure the group restarts from its snapshot for (planned moves save first)
         unrecorded = [w for w in victims if w not in self.recorded]
         self.recorded.clear()
@@ -177,6 +182,11 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             self._reset_worker(w)
         self.last_recovery[g] = self.restart_s
         return super().restart(g, t, cause, victims)
+
+    def _foreseen(self, victims: list[int]) -> bool:
+        """Whether a learner among ``victims`` failed in a burst its group snapshotted ahead of
+        (``QuotaPass._burst_snapshots``; a burst's snapshot is forgotten when the burst ends)."""
+        return any(self.sim.is_learner[w] and not math.isnan(self.burst_saved[w]) for w in victims)
 
     def power_loss(self, g: int, t: float, victims: list[int]) -> None:
         # The power-saving window is on a schedule: DSec snapshots the group before its cards go (a planned move).

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -332,3 +333,67 @@ def test_an_unknown_snapshot_cadence_names_file_line_and_field(tmp_path: Any) ->
     with pytest.raises(ConfigError) as err:
         load_job(path)
     assert f"{path}:5:" in str(err.value) and "snapshots.cadence" in str(err.value)
+
+
+def _snapshot(root: Path, worker: str, requests: tuple[str, ...]) -> None:
+    """One real snapshot of a tiny model under ``root``, taken for ``requests`` (none: the periodic one)."""
+    import torch
+
+    from dsec.snapshot import LocalDirStore, Snapshotter
+
+    snap = Snapshotter(LocalDirStore(root), worker)
+    try:
+        snap.register("model0", torch.nn.Linear(4, 2))
+        ticket = snap.take(step=10, requests=requests, wait=True)
+        assert ticket.error is None
+    finally:
+        snap.close()
+
+
+@pytest.mark.parametrize(
+    ("newest", "age_s", "rollbacks"),
+    [
+        (("memory_burst",), 2.0, 0),  # the burst it failed in was snapshotted ahead: foreseen
+        (("memory_recycle",), 2.0, 0),  # a drain: the process stopped right after its snapshot
+        ((), 2.0, 1),  # the newest is a periodic snapshot: a failure nobody saw coming
+        (("memory_burst",), 300.0, 1),  # a burst long over: this failure is another one
+    ],
+)
+def test_a_failure_in_a_burst_snapshotted_ahead_is_not_counted_as_a_rollback(
+    clock: Clock, newest: tuple[str, ...], age_s: float, rollbacks: int
+) -> None:
+    """The cadence's rollbacks are the failures nobody foresaw (launch/foreseen.py): a group that fails in a memory
+    burst its probe snapshotted ahead of restarts from that snapshot and loses next to nothing, so its learners are
+    not told to snapshot more often; the restart itself happens all the same."""
+    spec = {
+        "job": "j",
+        "pool": "pool-a",
+        "snapshots": {"dir": "snaps", "interval_s": 90},
+        "groups": [{"name": "g", "world_size": 2, "command": ["train"]}],
+    }
+    _snapshot(Path("snaps"), "g-learner-0", ())
+    _snapshot(Path("snaps"), "g-learner-0", newest)
+    _snapshot(Path("snaps"), "g-learner-1", ())  # the other rank's newest is periodic: one rank's burst suffices
+    _snapshot(Path("snaps"), "gx-learner-0", ("memory_burst",))  # another group's burst says nothing about g
+    clock.now = time.time() + age_s  # the failure, age_s after the snapshots
+
+    def exits(w: WorkerLaunch, n: int) -> int | None:
+        return 1 if "DSEC_RESTORE" not in w.env and w.rank == 0 else None
+
+    launcher = Launcher(exits, clock)
+    sup = Supervisor(JobFile.model_validate(spec), launcher)
+    sup.start()
+    sup.step()
+    assert launcher.stopped == ["g"] and sup.restarts == {"g": 1}  # restarted from its snapshots either way
+    assert sup.rollbacks == {"g": rollbacks}
+    restarted = {w.worker: w.env for w in launcher.starts[-1]}
+    assert restarted["g-0"]["DSEC_SNAPSHOT_HISTORY"].endswith(f":{rollbacks}")
+
+
+def test_foreseen_reads_the_groups_own_snapshots_only(clock: Clock) -> None:
+    from dsec.launch.foreseen import foreseen_failure
+
+    _snapshot(Path("snaps"), "gx-learner-0", ("memory_burst",))
+    assert foreseen_failure(Path("snaps"), "gx", time.time())
+    assert not foreseen_failure(Path("snaps"), "g", time.time())
+    assert not foreseen_failure(Path("absent"), "gx", time.time())

@@ -494,6 +494,28 @@ def test_a_learner_whose_burst_rises_into_its_limit_snapshots_first_so_its_oom_r
     assert sum(rolled[True]) < sum(rolled[False]) and runs[True].progress.sum() > runs[False].progress.sum()
 
 
+def test_a_learner_oom_its_burst_snapshot_covered_does_not_shorten_the_snapshot_cadence() -> None:
+    """Young's interval is for the failures nobody foresaw: a learner's OOM in a burst its group snapshotted ahead of
+    rolls back one sample whatever the cadence, so the failure-history cadence does not count it (the supervisor
+    does the same, launch/foreseen.py); without the burst snapshot each such OOM is a rollback. Same bursts, same
+    victims either way."""
+    over = {
+        **QUIET,
+        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": 10}},
+        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "failure_history",
+                 "snapshot_interval_s": 600},
+        "duration_h": 4.0,
+    }  # fmt: skip
+    runs = {}
+    for on in (True, False):
+        sim, outcome = run_one(small(**{**over, "dsec": {**over["dsec"], "burst_snapshots": on}}), "dsec")
+        learner_ooms = sum(1 for i in outcome.interruptions if i.cause == "oom" and i.learners)
+        runs[on] = (int(sim.regime.rollbacks.sum()), outcome.decisions.get("foreseen_rollbacks", 0), learner_ooms)
+    (kept_on, foreseen_on, ooms_on), (kept_off, foreseen_off, ooms_off) = runs[True], runs[False]
+    assert ooms_on == ooms_off >= 2 and foreseen_off == 0 and kept_off >= ooms_off
+    assert foreseen_on >= 2 and kept_on == kept_off - foreseen_on
+
+
 @pytest.mark.slow  # ~12 s; memory relief is a design study the control plane does not run
 def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_ooms() -> None:
     # The design study (dsec.quota.relief) on the scenario its figures come from (rl-128: four 14 GB workers per
