@@ -20,6 +20,11 @@ Checks (``--only``), each in its own process group with its own timeout, so one 
 - ``snapshot``: a ~100M-parameter MLP + Adam on the GPU: blocking ms of level-0 snapshots vs ``torch.save`` + fsync
   of the same state, restore time into a fresh model, bit-exactness of parameters and optimizer state, CUDA RNG
   state restored, and whether ``codec.host_copy`` returns pinned memory. Pass: bit-exact, RNG equal.
+- ``memory_watch``: the drain and the burst snapshot on CUDA (dsec.probe.device_memory): a probed process with its
+  allocator capped at 2 GiB by the probe grows its tensors at a burst's rate (0.4 GB/s) and then, in a second
+  process, at a slow climb's (0.045 GB/s) into a final limit. Pass: a ``memory_burst`` snapshot in the last 2.5 s
+  before the burst's ``torch.OutOfMemoryError``; the climb drained (``MemoryRecycle``, a ``memory_recycle``
+  snapshot) with no OOM. Skipped with ``--device cpu`` (the fake card stands in there, in the unit tests).
 - ``inject``: ``build/native/libdsec_inject.so`` (``make native`` when missing) under LD_PRELOAD in a process that
   calls the real ``cudaMalloc``/``cudaFree`` of libcudart and ``ncclAllReduce`` of libnccl through ctypes (the
   libraries torch loaded, else the nvidia-* wheels, else the system's; the report names them). Pass: the
@@ -62,14 +67,18 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
-CHECKS = ("nvml", "quota", "probe", "snapshot", "inject")
+CHECKS = ("nvml", "quota", "probe", "snapshot", "inject", "memory_watch")
 # Guesses, never measured on a GPU: each covers process starts, `import torch` and CUDA/NCCL initialization.
-TIMEOUT_S = {"nvml": 60.0, "quota": 150.0, "probe": 240.0, "snapshot": 240.0, "inject": 150.0}
-NEEDS_CONTROL_PLANE = ("quota", "probe", "inject")
+TIMEOUT_S = {"nvml": 60.0, "quota": 150.0, "probe": 240.0, "snapshot": 240.0, "inject": 150.0, "memory_watch": 150.0}
+NEEDS_CONTROL_PLANE = ("quota", "probe", "inject", "memory_watch")
 MIN_CHECK_S = 15.0  # a check given less than this by the budget is skipped, not started to be killed
 ADMIN_TOKEN = "dsa_gpu-check-admin-token-0123456789"
 QUOTA_GB, RAISED_QUOTA_GB, FILL_GB, CHUNK_MB = 2.0, 6.0, 3.0, 128
-CPU_SKIPS = {"nvml": "--device cpu: NVML describes NVIDIA GPUs; there is nothing to discover on CPU"}
+CPU_SKIPS = {
+    "nvml": "--device cpu: NVML describes NVIDIA GPUs; there is nothing to discover on CPU",
+    "memory_watch": "--device cpu: the watch reads a CUDA device's memory (on CPU the fake card stands in for it: "
+    "tests/unit/probe/test_cuda_memory_watch.py, test_recycle.py)",
+}
 
 
 class Skip(Exception):
@@ -829,6 +838,117 @@ def worker_quota(ctx: dict[str, Any]) -> None:
     dsec.detach()
 
 
+# ------------------------------------------------------------------------------------------------ memory watch
+# The allocator cap for both runs, and where the slow climb's limit is final (at the ceiling).
+WATCH_CAP_GB, WATCH_BURST_GB_PER_S, WATCH_CLIMB_GB_PER_S = 2.0, 0.4, 0.045
+
+
+def check_memory_watch(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The drain and the burst snapshot on a real CUDA device (dsec.probe.device_memory): one probed process with
+    snapshots, its allocator capped at 2 GiB by the probe (``set_per_process_memory_fraction``). A burst (0.4 GB/s of
+    128 MiB tensors between optimizer steps) must be snapshotted as it rises — a snapshot whose manifest lists
+    ``memory_burst``, at a step before the OOM and within the last ~2.5 s of steps — and then fail with the
+    allocator's own ``torch.OutOfMemoryError``. A slow climb (0.045 GB/s) into the same cap, now final (at the
+    ceiling), must end in the drain (``MemoryRecycle``, a ``memory_recycle`` snapshot) before any OOM."""
+    admin = admin_client(ctx)
+    pool = "gpu-memory-watch"
+    token = pool_with_token(admin, pool)
+    failures: list[str] = []
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-watch-") as tmp:
+        snaps = Path(tmp) / "snaps"
+        # Beats a minute apart: the control plane's quota plans must not move the cap the worker sets for the run.
+        env = {**clean_env(), **probe_settings(ctx, pool, token, DSEC_SNAPSHOT_DIR=str(snaps),
+                                               DSEC_HEARTBEAT_INTERVAL="60")}  # fmt: skip
+        for kind, rate in (("burst", WATCH_BURST_GB_PER_S), ("climb", WATCH_CLIMB_GB_PER_S)):
+            with Child("memory_watch", ctx, env, Path(tmp) / f"{kind}.log") as w:
+                w.expect("registered", 60)
+                # From 1 GB (the burst) or 1.7 GB (the climb: ~7 s to the cap) held.
+                start = 1.0 if kind == "burst" else 1.7
+                runs[kind] = w.request("grown", 90, cmd="grow", kind=kind, gb_per_s=rate, start_gb=start, seconds=30.0)
+                w.send(cmd="exit")
+        from dsec.snapshot import LocalDirStore
+        from dsec.snapshot.reader import read_manifest
+
+        store = LocalDirStore(snaps)
+        manifests = [read_manifest(store, wk, seq) for wk in store.workers() for seq in store.manifests(wk)]
+    asked = {r: [int(m["step"]) for m in manifests if r in (m.get("requests") or [])]
+             for r in ("memory_burst", "memory_recycle")}  # fmt: skip
+    burst, climb = runs["burst"], runs["climb"]
+    if burst.get("stopped") != "OutOfMemoryError":
+        failures.append(f"the burst ended in {burst.get('stopped')}, not torch.OutOfMemoryError")
+    before = [s for s in asked["memory_burst"] if s <= int(burst.get("steps") or 0)]
+    if not before:
+        failures.append(f"no memory_burst snapshot before the burst's OOM (burst snapshots at {asked['memory_burst']})")
+    elif int(burst["steps"]) - max(before) > burst["steps_per_s"] * 2.5:
+        failures.append(f"the burst snapshot (step {max(before)}) was not in the last 2.5 s before the OOM")
+    if climb.get("stopped") != "MemoryRecycle" or not asked["memory_recycle"]:
+        failures.append(f"the slow climb ended in {climb.get('stopped')} ({asked['memory_recycle']} drain snapshots)")
+    return verdict({"runs": runs, "snapshot_steps": asked}, failures)
+
+
+def worker_memory_watch(ctx: dict[str, Any]) -> None:
+    import torch
+
+    import dsec
+    from dsec.probe.recycle import MemoryRecycle
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.empty(1, device=device)  # the CUDA context: the probe reads only a device the training code initialised
+    probe = dsec.attach()
+    if probe is None:
+        raise SystemExit("dsec.attach() returned None: DSEC_ENDPOINT / DSEC_SANDBOX_ID missing")
+    wait_until(lambda: probe.reporter if probe.reporter and probe.reporter.worker_id else None, 30, "register")
+    emit({"event": "registered"})
+    model = torch.nn.Linear(512, 512).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 512, device=device)
+    chunk = CHUNK_MB << 20
+    for cmd in commands():
+        if cmd.get("cmd") == "exit":
+            break
+        a = probe.actuators
+        # The cap (the grant, a limit above it for the burst; for the climb the limit is at the ceiling: final).
+        burst = cmd["kind"] == "burst"
+        a.memory_quota_gb, a.memory_limit_gb = 1.0, WATCH_CAP_GB
+        a.memory_ceiling_gb = 1.5 if burst else WATCH_CAP_GB
+        a._apply_memory_quota()
+        blocks: list[Any] = []
+        stopped: BaseException | None = None
+        t0 = time.monotonic()
+        steps = 0
+        try:
+            while time.monotonic() - t0 < float(cmd["seconds"]):
+                want = (float(cmd["start_gb"]) + float(cmd["gb_per_s"]) * (time.monotonic() - t0)) * 2**30
+                while len(blocks) * chunk < want:
+                    blocks.append(torch.empty(chunk, dtype=torch.uint8, device=device))
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+                steps += 1
+                time.sleep(0.01)
+        except (torch.OutOfMemoryError, MemoryRecycle) as exc:
+            stopped = exc
+        elapsed = time.monotonic() - t0
+        emit(
+            {
+                "event": "grown",
+                "stopped": type(stopped).__name__ if stopped else None,
+                "message": str(stopped)[:500] if stopped else None,
+                "steps": probe.snapshots.steps if probe.snapshots is not None else None,
+                "steps_per_s": steps / max(elapsed, 1e-6),
+                "seconds": round(elapsed, 2),
+                "held_gb": len(blocks) * chunk / 2**30,
+                "reserved_gb": torch.cuda.memory_reserved(device) / 2**30,
+                "fraction_applied": a.memory_fraction_applied,
+            }
+        )
+        blocks.clear()
+        torch.cuda.empty_cache()
+    dsec.detach()
+
+
 # ------------------------------------------------------------------------------------------------ probe
 def check_probe(ctx: dict[str, Any]) -> dict[str, Any]:
     from dsec.control.server import free_port
@@ -1420,12 +1540,14 @@ CHECK_FUNCS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "probe": check_probe,
     "snapshot": check_snapshot,
     "inject": check_inject,
+    "memory_watch": check_memory_watch,
 }
 WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "quota": worker_quota,
     "ddp": worker_ddp,
     "inject_ctypes": worker_inject_ctypes,
     "inject_torch": worker_inject_torch,
+    "memory_watch": worker_memory_watch,
 }
 
 

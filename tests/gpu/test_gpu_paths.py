@@ -28,7 +28,7 @@ except ImportError:  # the skip path must still work: the script reports "torch 
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-CHECKS = ["nvml", "quota", "probe", "snapshot", "inject"]
+CHECKS = ["nvml", "quota", "probe", "snapshot", "inject", "memory_watch"]
 HAS_CUDA = torch is not None and torch.cuda.is_available()
 
 
@@ -197,6 +197,7 @@ def test_cpu_self_check_runs_the_same_orchestration_without_a_gpu() -> None:
     proc, report = run_script(*args, timeout=560)
     checks = report["checks"]
     assert checks["nvml"]["skipped"].startswith("--device cpu"), checks["nvml"]
+    assert checks["memory_watch"]["skipped"].startswith("--device cpu"), checks["memory_watch"]
 
     probe = checks["probe"]
     assert probe.get("ok"), probe
@@ -307,4 +308,14 @@ def test_inject_library_reports_real_cuda_allocations_and_nccl_allreduce() -> No
     assert did["allreduces"] == 5, "NCCL was not found: no all-reduce was made"
     assert seen.get("nccl_allreduce_count_total") == did["allreduces"], seen
     assert seen.get("nccl_allreduce_bytes_total") == did["allreduce_bytes"], seen
+    assert result["ok"], result["failures"]
+
+
+@needs_gpu
+def test_the_burst_snapshot_and_the_drain_read_the_cuda_allocator() -> None:
+    result = gpu_check("memory_watch")
+    burst, climb = result["runs"]["burst"], result["runs"]["climb"]
+    assert burst["stopped"] == "OutOfMemoryError" and burst["fraction_applied"], burst
+    assert any(s <= burst["steps"] for s in result["snapshot_steps"]["memory_burst"]), result["snapshot_steps"]
+    assert climb["stopped"] == "MemoryRecycle" and result["snapshot_steps"]["memory_recycle"], climb
     assert result["ok"], result["failures"]

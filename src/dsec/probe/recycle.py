@@ -29,8 +29,9 @@ resumes from that snapshot instead of the last periodic one (which the snapshot 
 history: minutes apart when failures are rare). Measured in the simulator (rl-128, one day): a learner's OOM rolled
 its group back 31-489 steps; with the snapshot, 7.
 
-``DSEC_MEMORY_RECYCLE_HORIZON_S`` sets ``horizon_s`` for both (default 2; 0 turns both off). Both read the memory
-of a fake card (dsec.probe.fake_card); the CUDA allocator's is not wired to them yet.
+``DSEC_MEMORY_RECYCLE_HORIZON_S`` sets ``horizon_s`` for both (default 2; 0 turns both off). Both read the CUDA
+device the training code uses (dsec.probe.device_memory: the caching allocator's reserved memory, the card's free
+memory), or the fake card that stands in for one where no GPU is (dsec.probe.fake_card).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dsec.probe import importhook
 from dsec.probe.actuators import Actuators
 from dsec.probe.chaos import Chaos, ChaosError
 from dsec.probe.config import ProbeConfig
+from dsec.probe.device_memory import CudaMemory
 from dsec.probe.fake_card import FakeCard, FakeCardError
 from dsec.probe.healing import Healing
 from dsec.probe.memory import MemoryTrend, memory_metrics
@@ -75,6 +76,10 @@ class Probe:
         self.climb = ClimbWatch(horizon_s=_env_float("DSEC_MEMORY_RECYCLE_HORIZON_S", 2.0))
         self._recycle: tuple[float, float | None, float | None] | None = None  # due: (held, limit, slope)
         self._recycle_failed = False
+        # The CUDA device the training code uses, once it initialised CUDA (read for the drain and the burst snapshot;
+        # dsec.probe.device_memory). Not with a fake card: the card stands in for it.
+        self.cuda_memory: CudaMemory | None = None
+        self._cuda_failed = False
         if self.fake_card is not None:
             card = self.fake_card
             self.memory_source = lambda: {telemetry.MEMORY_USED_GB.name: card.held_gb}
@@ -179,35 +184,61 @@ class Probe:
         """Before an optimizer step of the training code: with a fake card, hold what this step needs on it (its
         base plus the memory growth injected so far) under the allocator limit in force; the card's out-of-memory
         error is reported (urgent ``log`` event) and raised into the training code, as CUDA's would be. Then watch
-        the climb toward that limit (dsec.probe.recycle)."""
+        the climb toward that limit (dsec.probe.recycle) — on the fake card, or on the CUDA device the training code
+        uses (dsec.probe.device_memory: the allocator's reserved memory against its cap and the card's free memory)."""
         card = self.fake_card
-        if card is None:
+        if card is not None:
+            want = card.spec.base_gb + (self.chaos.ballast_mb / 1024.0 if self.chaos is not None else 0.0)
+            limit = self.actuators.allocator_limit_gb()
+            try:
+                card.hold(want, limit)
+            except RuntimeError as exc:
+                self.event("log", urgent=True, oom=str(exc), want_gb=round(want, 3), held_gb=round(card.held_gb, 3),
+                           limit_gb=limit, step=self._steps())  # fmt: skip
+                raise
+            cap = limit if card.spec.obey_limits else None  # an allocator nobody caps has no limit to drain before
+            self._watch_memory(card.held_gb, card.room_gb(), cap)
             return
-        want = card.spec.base_gb + (self.chaos.ballast_mb / 1024.0 if self.chaos is not None else 0.0)
-        limit = self.actuators.allocator_limit_gb()
+        cuda = self.cuda_memory or (None if self._cuda_failed else self._cuda_memory())
+        if cuda is not None:
+            try:
+                held, room = cuda.read()
+            except Exception:  # the watch must never be what fails a training step
+                log.warning("dsec: reading CUDA memory failed; no drain or burst snapshot from now on", exc_info=True)
+                self.cuda_memory, self._cuda_failed = None, True
+                return
+            # The allocator is capped only where the probe applied the quota (actuators._apply_memory_quota).
+            cap = self.actuators.allocator_limit_gb() if self.actuators.memory_fraction_applied is not None else None
+            self._watch_memory(held, room, cap)
+
+    def _cuda_memory(self) -> CudaMemory | None:
+        """The training code's CUDA device, from the step it initialised CUDA on (kept; never initialised here)."""
         try:
-            card.hold(want, limit)
-        except RuntimeError as exc:
-            self.event("log", urgent=True, oom=str(exc), want_gb=round(want, 3), held_gb=round(card.held_gb, 3),
-                       limit_gb=limit, step=self._steps())  # fmt: skip
-            raise
-        cap = limit if card.spec.obey_limits else None  # an allocator nobody caps has no limit to drain before
-        self.climb.observe(time.monotonic(), card.held_gb)
+            self.cuda_memory = CudaMemory.of_training()
+        except Exception:  # a broken CUDA install must not fail the training step; the watch is off then
+            log.warning("dsec: cannot read CUDA memory; no drain or burst snapshot on this device", exc_info=True)
+            self.cuda_memory, self._cuda_failed = None, True
+        return self.cuda_memory
+
+    def _watch_memory(self, held: float, room: float, cap: float | None) -> None:
+        """One reading for the drain before the cap and the snapshot ahead of a burst (dsec.probe.recycle): ``held``
+        GB held, ``room`` GB it could hold beside its card-mates, ``cap`` its allocator cap (None: uncapped)."""
+        self.climb.observe(time.monotonic(), held)
         if not self._recycle_failed and self.climb.due(cap, self.actuators.memory_ceiling_gb):
-            self._recycle = (card.held_gb, cap, self.climb.slope_gb_per_s())
+            self._recycle = (held, cap, self.climb.slope_gb_per_s())
         # A burst fails at whichever comes first: its allocator limit or the card's free memory.
         elif (
             self.snapshots is not None
             and self.snapshots.snapshotter is not None
-            and self.climb.burst_due(bound := min(card.room_gb(), math.inf if cap is None else cap))
+            and self.climb.burst_due(bound := min(room, math.inf if cap is None else cap))
         ):
             slope = self.climb.burst_slope_gb_per_s()
             self.snapshots.request("memory_burst")
             message = (f"a burst rising {slope or 0.0:.3f} GB/s toward {bound:.2f} GB (its allocator limit "
-                       f"{cap} GB, the card's room {card.room_gb():.2f} GB; {card.held_gb:.2f} GB held): a snapshot "
+                       f"{cap} GB, the card's room {room:.2f} GB; {held:.2f} GB held): a snapshot "
                        "at this step")  # fmt: skip
-            self.event("log", memory_burst_snapshot=message, held_gb=round(card.held_gb, 3), limit_gb=cap,
-                       room_gb=round(card.room_gb(), 3), slope_gb_per_s=slope, step=self._steps())  # fmt: skip
+            self.event("log", memory_burst_snapshot=message, held_gb=round(held, 3), limit_gb=cap,
+                       room_gb=round(room, 3), slope_gb_per_s=slope, step=self._steps())  # fmt: skip
 
     def _steps(self) -> int | None:
         """Optimizer steps this process's state has taken (a restore sets it to the snapshot's step); None: no
