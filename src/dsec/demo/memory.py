@@ -70,7 +70,9 @@ def _memory_scene(
         {
             "job": f"demo-{scene}",
             "pool": pool,
-            "snapshots": {"dir": str(home / f"snapshots-{scene}"), "interval_s": interval_s, "cadence": "fixed"},
+            # The failure-history cadence (the job file's default), ``interval_s`` its prior: the scene's restart
+            # was foreseen (a burst's snapshot, a drain's), so it must not count as a rollback (launch/foreseen.py).
+            "snapshots": {"dir": str(home / f"snapshots-{scene}"), "interval_s": interval_s},
             "restart": {"max_restarts": 2, "resume_timeout_s": 30},
             "groups": [
                 {
@@ -106,6 +108,7 @@ def _memory_scene(
         out["ooms"] = [d for d in logs() if "oom" in d]
         out["restores"] = restored()
         out["recovery"] = recoveries[0].timings() if recoveries else None
+        out["rollbacks"] = sup.rollbacks[group]  # what the learners' cadence is told of this restart
         out["seconds"] = round(time.time() - t0, 1)
         stop.touch()
         out["finished"] = sup.run(timeout_s=20)
@@ -129,9 +132,13 @@ def drained(run: DemoRun, m: dict[str, Any]) -> bool:
     slope = r.get("slope_gb_per_s") or 0.0
     run.notes.append(
         f"memory climbing {slope:.3f} GB/s into {where}: drained at {r.get('held_gb')} GB held; {what}; "
-        f"{ooms} OOMs; {m.get('seconds')} s"
+        f"{ooms} OOMs; {_counted(m)}; {m.get('seconds')} s"
     )
-    return bool(back) and not m.get("ooms") and bool(m.get("finished"))
+    return bool(back) and not m.get("ooms") and m.get("rollbacks") == 0 and bool(m.get("finished"))
+
+
+def _counted(m: dict[str, Any]) -> str:
+    return f"rollbacks counted for the snapshot cadence: {m.get('rollbacks')} (the restart was foreseen)"
 
 
 def burst_saved(run: DemoRun, m: dict[str, Any]) -> bool:
@@ -150,6 +157,7 @@ def burst_saved(run: DemoRun, m: dict[str, Any]) -> bool:
     run.notes.append(
         f"memory bursting {b.get('slope_gb_per_s') or 0.0:.2f} GB/s toward its limit ({b.get('limit_gb')} GB) or the "
         f"card's room ({b.get('room_gb')} GB): snapshot at step {snap_step}, OOM at step {oom_step}, restarted from "
-        f"step {restored_step} ({lost} steps lost; the periodic snapshot was a minute apart); {m.get('seconds')} s"
+        f"step {restored_step} ({lost} steps lost; the periodic snapshot was a minute apart); {_counted(m)}; "
+        f"{m.get('seconds')} s"
     )
-    return lost is not None and 0 <= lost <= 500 and bool(m.get("finished"))
+    return lost is not None and 0 <= lost <= 500 and m.get("rollbacks") == 0 and bool(m.get("finished"))
