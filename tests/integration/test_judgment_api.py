@@ -21,7 +21,7 @@ import pytest
 from conftest import Harness, Worker, http_receiver, make_settings, wait_for
 from dsec.alerts import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, verify
 from dsec.breaker import BreakerConfig
-from dsec.client import Client
+from dsec.client import ApiError, Client
 from dsec.control.judge import JudgeConfig
 
 FAST_BREAKER = BreakerConfig(window_s=1.0, min_samples=3, recovery_s=0.5, max_recovery_s=2.0)
@@ -584,3 +584,31 @@ def test_memory_over_the_ceiling_degrades_through_accumulation_and_alerts_never_
     b.beat_until({"memory_used_gb": 6.0}, recovered, timeout=15, what="memory path recovered")
     final = api_worker(h, b.id)["directive"]["desired"]
     assert (final["compression_bits"], final["grad_accum_steps"]) == (None, 1)
+
+
+def test_a_pool_turns_the_memory_path_on_for_its_own_workers_only(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    """``memory_pressure`` on a pool: its workers' memory cap is the ceiling times it, whatever the control plane's
+    default (off here); another pool's workers with the same memory are not judged on it. Out of range: 422 naming
+    the field, and the pool as it was."""
+    h = start(server_factory, tmp_path / "pools", JudgeConfig(breaker=FAST_BREAKER))
+    spec = {k: v for k, v in h.admin.request("GET", "/v1/pools/pool-a").items() if k != "name"}
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(ApiError) as err:
+            h.admin.put_pool("pool-a", **{**spec, "memory_pressure": bad})
+        assert err.value.status == 422 and err.value.field == "memory_pressure", (bad, err.value)
+    assert h.admin.request("GET", "/v1/pools/pool-a")["memory_pressure"] is None
+    h.admin.put_pool("pool-a", **{**spec, "memory_pressure": 0.9})
+    assert h.admin.request("GET", "/v1/pools/pool-a")["memory_pressure"] == 0.9
+    on = Beater(h, h.register("pool-a", role="learner", rank=0))
+    off = Beater(h, h.register("pool-b", role="learner", rank=0))
+    over = {"memory_used_gb": 11.5}  # under both pools' ceiling of 12, over pool-a's cap of 12 x 0.9 = 10.8
+    answer = on.beat_until(over, lambda a: a["directive"] is not None, timeout=5, what="memory-pressure directive")
+    assert answer["directive"]["grad_accum_steps"] == 4
+    (melt,) = events_of(h, on.id, "meltdown")
+    assert melt["data"]["evidence"]["over"]["memory_gb"]["cap"] == pytest.approx(10.8)
+    for _ in range(30):  # as many beats as the breaker needed and more: nothing in the pool without the switch
+        assert off.beat(over)["directive"] is None
+        time.sleep(BEAT_S)
+    assert events_of(h, off.id, "meltdown") == []

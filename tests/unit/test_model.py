@@ -90,6 +90,7 @@ def test_pool_round_trips_through_dict() -> None:
         memory_base_gb=2.0,
         memory_ceiling_gb=3.5,
         snapshot_interval_s=30.0,
+        memory_pressure=0.9,
     )
     d = p.to_dict()
     assert d["devices"] == ["gpu0", "gpu1"] and d["thresholds"] == {"bandwidth_cap_mbps": 64.0, "latency_cap_ms": 40.0}
@@ -104,6 +105,10 @@ def test_pool_from_dict_validates() -> None:
     with pytest.raises(ModelError) as exc:
         Pool.from_dict({"name": "p", "thresholds": {"latency_cap_ms": 0}})
     assert_names(exc, "latency_cap_ms")
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(ModelError) as exc:
+            Pool.from_dict({"name": "p", "memory_pressure": bad})
+        assert_names(exc, "memory_pressure")
 
 
 def test_pool_is_frozen() -> None:

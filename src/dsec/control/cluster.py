@@ -20,6 +20,7 @@ def pool_from_spec(name: str, spec: Any) -> Pool:
         snapshot_interval_s=spec.snapshot_interval_s,
         snapshot_compression_level=spec.snapshot_compression_level,
         gpu_quota=spec.gpu_quota,
+        memory_pressure=spec.memory_pressure,
     )
 
 

@@ -119,7 +119,8 @@ class Judge:
             pool.thresholds if pool else None,
             pool.memory_ceiling_gb if pool else None,
             fields,
-            self.config.memory_pressure,
+            # The pool's own switch for the breaker's memory path, else the control plane's default.
+            pool.memory_pressure if pool and pool.memory_pressure is not None else self.config.memory_pressure,
             floor,
         )
         w.caps_cache = (pool, fields, floor, caps)

@@ -81,6 +81,10 @@ class Pool:
     snapshot_interval_s: float = 90.0
     snapshot_compression_level: int = 2  # dsec.snapshot modes: 0 lossless .. 3 q4-lite
     gpu_quota: int | None = None  # devices the pool may use at most (None: all of them); policies shrink/grow it
+    # The breaker's memory path for this pool's workers: their memory cap is the ceiling times this fraction (None:
+    # the control plane's default, DSEC_MEMORY_PRESSURE, off as shipped). For training code that shrinks its
+    # micro-batch when grad_accum_steps rises; zero-touch accumulation frees no memory (docs/health.md).
+    memory_pressure: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", self.name, "a non-empty pool name")
@@ -94,6 +98,15 @@ class Pool:
         )
         _check(self.snapshot_interval_s > 0, "snapshot_interval_s", self.snapshot_interval_s, "> 0")
         _check_level(self.snapshot_compression_level)
+        if self.memory_pressure is not None:
+            _check(
+                isinstance(self.memory_pressure, (int, float))
+                and not isinstance(self.memory_pressure, bool)
+                and 0 < self.memory_pressure <= 1,
+                "memory_pressure",
+                self.memory_pressure,
+                "a fraction of the memory ceiling in (0, 1], or null for the control plane's default",
+            )
         if self.gpu_quota is not None:
             _check(
                 isinstance(self.gpu_quota, int)
@@ -117,6 +130,7 @@ class Pool:
             "snapshot_interval_s": self.snapshot_interval_s,
             "snapshot_compression_level": self.snapshot_compression_level,
             "gpu_quota": self.gpu_quota,
+            "memory_pressure": self.memory_pressure,
         }
 
     @classmethod
@@ -131,6 +145,7 @@ class Pool:
             snapshot_interval_s=float(data.get("snapshot_interval_s", 90.0)),
             snapshot_compression_level=int(data.get("snapshot_compression_level", 2)),
             gpu_quota=None if data.get("gpu_quota") is None else int(data["gpu_quota"]),
+            memory_pressure=None if data.get("memory_pressure") is None else float(data["memory_pressure"]),
         )
 
 

@@ -28,6 +28,12 @@ class PoolUpdate(Strict):
     snapshot_interval_s: Float = Field(90.0, gt=0, le=86400)
     snapshot_compression_level: SnapshotLevel = 2
     gpu_quota: Annotated[int, Field(strict=True, ge=0, le=4096), BeforeValidator(json_integer)] | None = None
+    memory_pressure: Annotated[Float, Field(gt=0, le=1)] | None = Field(
+        None,
+        description="the breaker's memory path for this pool: a worker's memory cap is memory_ceiling_gb times this "
+        "fraction (accumulation, then paused sampling, above it); null: the control plane's default "
+        "(DSEC_MEMORY_PRESSURE, off as shipped). For training code that shrinks its micro-batch under accumulation.",
+    )
 
     @field_validator("memory_ceiling_gb")
     @classmethod
