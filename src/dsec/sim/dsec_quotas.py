@@ -116,7 +116,8 @@ class QuotaPass(Regime):
         card = sim.slot_of[run] // sim.layout.workers_per_gpu
         on_card = np.bincount(card, weights=mem[run], minlength=sim.layout.cards)
         room = self.sc.cluster.gpu_memory_gb - (on_card[sim.slot_of[ws] // sim.layout.workers_per_gpu] - mem[ws])
-        cap = np.minimum(self._allocator_cap(ws), room)
+        # Without quotas nothing caps the allocator (its limit is never planned): the card binds alone.
+        cap = np.minimum(self._allocator_cap(ws), room) if self.sc.dsec.quotas else room
         saved = self.burst_saved[ws]
         fresh = np.isnan(saved) | (cap > np.where(np.isnan(saved), -np.inf, saved) + AT_CEILING_GB)
         due_at = burst_at_risk(mem[ws], slope, cap, self.sc.sample_interval_s) & fresh

@@ -228,10 +228,12 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             self._ooms(t, run, mem)
             run = self.running_workers()
         if len(run):
-            if self.sc.dsec.quotas:
-                if self.sc.dsec.burst_snapshots:
-                    self._burst_snapshots(t, run, mem)
+            # The burst snapshot is the probe's and needs no quota: without one its bound is the card's room.
+            if self.sc.dsec.burst_snapshots:
+                self._burst_snapshots(t, run, mem)
+            if self.sc.dsec.quotas or self.sc.dsec.burst_snapshots:
                 self._observe_trends(t, run, mem)
+            if self.sc.dsec.quotas:
                 self._quotas(t, run, mem)
                 if self.sc.dsec.memory_relief:
                     self._relief(t, run, mem)

@@ -494,6 +494,23 @@ def test_a_learner_whose_burst_rises_into_its_limit_snapshots_first_so_its_oom_r
     assert sum(rolled[True]) < sum(rolled[False]) and runs[True].progress.sum() > runs[False].progress.sum()
 
 
+def test_without_quotas_a_learners_burst_into_its_cards_room_is_still_snapshotted_first() -> None:
+    """The burst snapshot is the probe's, not the quotas': with nothing capping the allocator its bound is the card's
+    room beside its card-mates (dsec.probe.recycle), so the quotas on/off comparison keeps it on both sides."""
+    over = {
+        **QUIET,
+        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": 30}},
+        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "fixed",
+                 "snapshot_interval_s": 600, "quotas": False},
+        "duration_h": 4.0,
+    }  # fmt: skip
+    _, outcome = run_one(small(**over), "dsec")
+    rolled = [i.rolled_back_steps for i in outcome.interruptions if i.cause == "oom" and i.learners]
+    assert rolled and outcome.decisions["burst_snapshots"] >= 1
+    one_sample = outcome.ideal_rate * small().sample_interval_s * 1.01
+    assert any(r <= one_sample for r in rolled), rolled
+
+
 def test_a_learner_oom_its_burst_snapshot_covered_does_not_shorten_the_snapshot_cadence() -> None:
     """Young's interval is for the failures nobody foresaw: a learner's OOM in a burst its group snapshotted ahead of
     rolls back one sample whatever the cadence, so the failure-history cadence does not count it (the supervisor
