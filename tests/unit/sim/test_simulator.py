@@ -468,21 +468,26 @@ def test_quota_limits_let_a_burst_use_free_memory_the_first_design_failed_it() -
     assert ooms["limits"] <= ooms["no quotas"] < ooms["first design"]
 
 
+def bursty(burst_gb: float = 10, **dsec: Any) -> Scenario:
+    """Four groups of one learner and five actors, bursts of ``burst_gb`` 4 an hour per worker, over 4 hours; the
+    quotas' base and ceiling of rl-128 and a periodic snapshot every 10 min (``dsec`` overrides)."""
+    return small(**{
+        **QUIET,
+        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": burst_gb}},
+        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "fixed",
+                 "snapshot_interval_s": 600, **dsec},
+        "duration_h": 4.0,
+    })  # fmt: skip
+
+
 def test_a_learner_whose_burst_rises_into_its_limit_snapshots_first_so_its_oom_rolls_back_one_sample() -> None:
     """The probe's burst snapshot (dsec.quota.trend.burst_at_risk): a learner rising at a burst's rate that will pass
     its allocator cap before the next sample has its group snapshot now; its OOM then rolls back what one sample
     trained, not what the periodic snapshot (every 10 min here) left. A learner failed by a card-mate's burst
     (the largest user of a full card) is not protected: it was not rising."""
-    over = {
-        **QUIET,
-        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": 10}},
-        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "fixed",
-                 "snapshot_interval_s": 600},
-        "duration_h": 4.0,
-    }  # fmt: skip
     runs = {}
     for on in (True, False):
-        _, outcome = run_one(small(**{**over, "dsec": {**over["dsec"], "burst_snapshots": on}}), "dsec")
+        _, outcome = run_one(bursty(burst_snapshots=on), "dsec")
         runs[on] = outcome
     one_sample = runs[True].ideal_rate * small().sample_interval_s * 1.01
     rolled = {
@@ -497,14 +502,7 @@ def test_a_learner_whose_burst_rises_into_its_limit_snapshots_first_so_its_oom_r
 def test_without_quotas_a_learners_burst_into_its_cards_room_is_still_snapshotted_first() -> None:
     """The burst snapshot is the probe's, not the quotas': with nothing capping the allocator its bound is the card's
     room beside its card-mates (dsec.probe.recycle), so the quotas on/off comparison keeps it on both sides."""
-    over = {
-        **QUIET,
-        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": 30}},
-        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "fixed",
-                 "snapshot_interval_s": 600, "quotas": False},
-        "duration_h": 4.0,
-    }  # fmt: skip
-    _, outcome = run_one(small(**over), "dsec")
+    _, outcome = run_one(bursty(burst_gb=30, quotas=False), "dsec")
     rolled = [i.rolled_back_steps for i in outcome.interruptions if i.cause == "oom" and i.learners]
     assert rolled and outcome.decisions["burst_snapshots"] >= 1
     one_sample = outcome.ideal_rate * small().sample_interval_s * 1.01
@@ -516,16 +514,9 @@ def test_a_learner_oom_its_burst_snapshot_covered_does_not_shorten_the_snapshot_
     rolls back one sample whatever the cadence, so the failure-history cadence does not count it (the supervisor
     does the same, launch/foreseen.py); without the burst snapshot each such OOM is a rollback. Same bursts, same
     victims either way."""
-    over = {
-        **QUIET,
-        "groups": {"count": 4, "learners": 1, "actors": 5, "memory": {"burst_per_h": 4, "burst_gb": 10}},
-        "dsec": {"memory_base_gb": 17, "memory_ceiling_gb": 28, "snapshot_cadence": "failure_history",
-                 "snapshot_interval_s": 600},
-        "duration_h": 4.0,
-    }  # fmt: skip
     runs = {}
     for on in (True, False):
-        sim, outcome = run_one(small(**{**over, "dsec": {**over["dsec"], "burst_snapshots": on}}), "dsec")
+        sim, outcome = run_one(bursty(snapshot_cadence="failure_history", burst_snapshots=on), "dsec")
         learner_ooms = sum(1 for i in outcome.interruptions if i.cause == "oom" and i.learners)
         runs[on] = (int(sim.regime.rollbacks.sum()), outcome.decisions.get("foreseen_rollbacks", 0), learner_ooms)
     (kept_on, foreseen_on, ooms_on), (kept_off, foreseen_off, ooms_off) = runs[True], runs[False]
