@@ -556,6 +556,34 @@ def test_quota_growth_respects_a_lowered_worker_ceiling_and_does_not_starve_peer
     assert quotas[b.id] == 3.0, quotas
 
 
+def test_a_pools_default_compression_is_a_new_workers_and_the_one_the_breaker_steps_back_down_to(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    """``compression_bits`` on a pool (the issue's per-pool default: 8-bit with error feedback where a pool opts in):
+    its workers register at it, the breaker's first rung is still 4-bit, and recovering to level 0 returns them to
+    the pool's default, not to the probe's own. Values the ladder would not honour: 422 naming the field."""
+    h = start(server_factory, tmp_path / "bits", JudgeConfig(breaker=FAST_BREAKER))
+    spec = {k: v for k, v in h.admin.request("GET", "/v1/pools/pool-a").items() if k != "name"}
+    for bad in (4, 7, "8", True):
+        with pytest.raises(ApiError) as err:
+            h.admin.put_pool("pool-a", **{**spec, "compression_bits": bad})
+        assert err.value.status == 422 and err.value.field == "compression_bits", (bad, err.value)
+    h.admin.put_pool("pool-a", **{**spec, "compression_bits": 8})
+    assert h.admin.request("GET", "/v1/pools/pool-a")["compression_bits"] == 8
+    b = Beater(h, h.register("pool-a", role="learner", rank=0))
+    assert api_worker(h, b.id)["directive"]["desired"]["compression_bits"] == 8
+    other = h.register("pool-b", role="learner", rank=0)
+    assert api_worker(h, other.id)["directive"]["desired"]["compression_bits"] is None  # the probe's default
+
+    slow, calm = {"sync_cost_ms_p50": 200.0}, {"sync_cost_ms_p50": 10.0}
+    d1 = b.beat_until(slow, lambda a: a["directive"] is not None, timeout=5, what="level 1")["directive"]
+    assert d1["compression_bits"] == 4
+    b.ack_latest()
+    d0 = b.beat_until(calm, lambda a: a["directive"] is not None, timeout=5, what="level 0")["directive"]
+    assert (d0["compression_bits"], d0["grad_accum_steps"]) == (8, 1)
+    assert api_worker(h, b.id)["breaker"]["level"] == 0
+
+
 # -- memory-pressure path of the breaker ------------------------------------------------------------------
 def test_memory_over_the_ceiling_degrades_through_accumulation_and_alerts_never_kills(
     server_factory: Callable[..., Harness], tmp_path: Path

@@ -91,6 +91,7 @@ def test_pool_round_trips_through_dict() -> None:
         memory_ceiling_gb=3.5,
         snapshot_interval_s=30.0,
         memory_pressure=0.9,
+        compression_bits=8,
     )
     d = p.to_dict()
     assert d["devices"] == ["gpu0", "gpu1"] and d["thresholds"] == {"bandwidth_cap_mbps": 64.0, "latency_cap_ms": 40.0}
@@ -109,6 +110,10 @@ def test_pool_from_dict_validates() -> None:
         with pytest.raises(ModelError) as exc:
             Pool.from_dict({"name": "p", "memory_pressure": bad})
         assert_names(exc, "memory_pressure")
+    for bits in (4, 7):
+        with pytest.raises(ModelError) as exc:
+            Pool.from_dict({"name": "p", "compression_bits": bits})
+        assert_names(exc, "compression_bits")
 
 
 def test_pool_is_frozen() -> None:

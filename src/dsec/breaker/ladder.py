@@ -5,8 +5,8 @@ Each level keeps everything the previous one did and adds one intervention, chea
 =====  ==========================================================================================
 level  directive fields
 =====  ==========================================================================================
-0      ``compression_bits = None``: the probe's configured default (typically 8-bit; 32 would mean
-       uncompressed), no accumulation, asynchronous sampling on
+0      ``compression_bits``: the pool's default (``Pool.compression_bits``, 8/16/32), else None: the
+       probe's configured default (uncompressed as shipped); no accumulation, asynchronous sampling on
 1      ``compression_bits = 4`` — a quarter of the 8-bit upload, error feedback keeps it unbiased
 2      + ``grad_accum_steps = 4`` — synchronize every 4th backward pass
 3      + ``async_sampling = false`` — actor sampling paused; inference and heartbeats keep running
@@ -35,11 +35,16 @@ _LEVELS: tuple[dict[str, Any], ...] = (
 )
 
 
-def fields_for(level: int, causes: Iterable[str] = (), memory_ceiling_gb: float | None = None) -> dict[str, Any]:
-    """The directive patch that puts a worker at ``level`` for the given overload causes."""
+def fields_for(
+    level: int, causes: Iterable[str] = (), memory_ceiling_gb: float | None = None, default_bits: int | None = None
+) -> dict[str, Any]:
+    """The directive patch that puts a worker at ``level`` for the given overload causes; ``default_bits``: the
+    compression of level 0 (its pool's ``compression_bits``; None: the probe's own default)."""
     if not 0 <= level <= MAX_LEVEL:
         raise ValueError(f"level={level} is invalid: expected 0..{MAX_LEVEL}")
     patch = dict(_LEVELS[level])
+    if level == 0:
+        patch["compression_bits"] = default_bits
     if level >= 1 and "memory_gb" in set(causes):
         patch["grad_accum_steps"] = max(patch["grad_accum_steps"], ACCUM_STEPS)
         if memory_ceiling_gb is not None:

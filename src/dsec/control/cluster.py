@@ -21,6 +21,7 @@ def pool_from_spec(name: str, spec: Any) -> Pool:
         snapshot_compression_level=spec.snapshot_compression_level,
         gpu_quota=spec.gpu_quota,
         memory_pressure=spec.memory_pressure,
+        compression_bits=spec.compression_bits,
     )
 
 

@@ -28,12 +28,17 @@ class BreakerMove:
     patch: dict[str, Any] | None
 
 
-def breaker_step(breaker: Breaker, caps: Caps, acked_version: int, now: float) -> BreakerMove | None:
-    """Let ``breaker`` decide at ``now`` (after its samples were observed); None when it stays put."""
+def breaker_step(
+    breaker: Breaker, caps: Caps, acked_version: int, now: float, default_bits: int | None = None
+) -> BreakerMove | None:
+    """Let ``breaker`` decide at ``now`` (after its samples were observed); None when it stays put.
+    ``default_bits``: the compression a worker recovered to level 0 runs at (its pool's ``compression_bits``)."""
     t = breaker.decide(now, caps, acked_version)
     if t is None:
         return None
-    patch = fields_for(t.level_after, breaker.causes, caps.memory_gb) if t.action is not Action.NONE else None
+    patch = (
+        fields_for(t.level_after, breaker.causes, caps.memory_gb, default_bits) if t.action is not Action.NONE else None
+    )
     return BreakerMove(t, patch)
 
 
@@ -79,7 +84,7 @@ def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Ver
     w, now = beat.worker, beat.now
     if beat.metrics:
         breaker.observe(sample_from(beat.metrics, now), beat.caps)
-    move = breaker_step(breaker, beat.caps, beat.acked_version, now)
+    move = breaker_step(breaker, beat.caps, beat.acked_version, now, beat.pool.compression_bits if beat.pool else None)
     if move is not None:
         verdict.breaker_moved = True
         if move.patch is not None:

@@ -26,6 +26,7 @@ class ModelError(InvalidInput, ValueError):
 
 
 COMPRESSION_BITS = (32, 16, 8, 4)
+POOL_COMPRESSION_BITS = (32, 16, 8)  # a pool's default (Pool.compression_bits): 4 is the breaker's first rung
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Sizes beyond this are typos (a TB instead of a GB), not hardware.
 MAX_MEMORY_GB = 4096.0
@@ -85,6 +86,10 @@ class Pool:
     # the control plane's default, DSEC_MEMORY_PRESSURE, off as shipped). For training code that shrinks its
     # micro-batch when grad_accum_steps rises; zero-touch accumulation frees no memory (docs/health.md).
     memory_pressure: float | None = None
+    # The gradient compression of this pool's workers while the breaker asks nothing of them (its level 0): 8 (8-bit
+    # with error feedback), 16 or 32 (uncompressed); None: each probe's own default (DSEC_COMPRESSION_BITS,
+    # uncompressed as shipped). The breaker's first rung is 4-bit whatever this is, so 4 is not a default.
+    compression_bits: int | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", self.name, "a non-empty pool name")
@@ -106,6 +111,13 @@ class Pool:
                 "memory_pressure",
                 self.memory_pressure,
                 "a fraction of the memory ceiling in (0, 1], or null for the control plane's default",
+            )
+        if self.compression_bits is not None:
+            _check(
+                type(self.compression_bits) is int and self.compression_bits in POOL_COMPRESSION_BITS,
+                "compression_bits",
+                self.compression_bits,
+                f"one of {list(POOL_COMPRESSION_BITS)} (4 is the breaker's first rung), or null: the probe's default",
             )
         if self.gpu_quota is not None:
             _check(
@@ -131,6 +143,7 @@ class Pool:
             "snapshot_compression_level": self.snapshot_compression_level,
             "gpu_quota": self.gpu_quota,
             "memory_pressure": self.memory_pressure,
+            "compression_bits": self.compression_bits,
         }
 
     @classmethod
@@ -146,6 +159,7 @@ class Pool:
             snapshot_compression_level=int(data.get("snapshot_compression_level", 2)),
             gpu_quota=None if data.get("gpu_quota") is None else int(data["gpu_quota"]),
             memory_pressure=None if data.get("memory_pressure") is None else float(data["memory_pressure"]),
+            compression_bits=None if data.get("compression_bits") is None else int(data["compression_bits"]),
         )
 
 
@@ -314,6 +328,7 @@ class DirectiveFields:
             memory_limit_gb=pool.memory_ceiling_gb,
             snapshot_interval_s=pool.snapshot_interval_s,
             snapshot_compression_level=pool.snapshot_compression_level,
+            compression_bits=pool.compression_bits,
         )
 
 

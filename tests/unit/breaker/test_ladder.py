@@ -35,3 +35,10 @@ def test_memory_pressure_accumulates_from_level_one_and_holds_the_quota_at_the_c
         "memory_quota_gb": 12.0,
     }
     assert fields_for(0, ["memory_gb"], 12.0)["compression_bits"] is None
+
+
+@pytest.mark.parametrize("default", [8, 16, 32])
+def test_a_pools_default_compression_is_level_zero_and_the_first_rung_is_still_4_bit(default: int) -> None:
+    assert fields_for(0, default_bits=default)["compression_bits"] == default
+    assert [fields_for(level, default_bits=default)["compression_bits"] for level in (1, 2, 3)] == [4, 4, 4]
+    assert level_of(fields_for(0, default_bits=default)) == 0

@@ -3,7 +3,7 @@ file that holds both (``dsec serve --cluster``)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
 
@@ -28,6 +28,12 @@ class PoolUpdate(Strict):
     snapshot_interval_s: Float = Field(90.0, gt=0, le=86400)
     snapshot_compression_level: SnapshotLevel = 2
     gpu_quota: Annotated[int, Field(strict=True, ge=0, le=4096), BeforeValidator(json_integer)] | None = None
+    compression_bits: Literal[8, 16, 32] | None = Field(
+        None,
+        description="the gradient compression of this pool's workers while the breaker asks nothing of them: 8 "
+        "(8-bit with error feedback), 16 or 32 (uncompressed); null: each probe's own default "
+        "(DSEC_COMPRESSION_BITS, uncompressed as shipped). The breaker's first rung is 4-bit whatever this is.",
+    )
     memory_pressure: Annotated[Float, Field(gt=0, le=1)] | None = Field(
         None,
         description="the breaker's memory path for this pool: a worker's memory cap is memory_ceiling_gb times this "
