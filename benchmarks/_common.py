@@ -96,7 +96,7 @@ def serve(
 
 # -- the benchmark side --------------------------------------------------------------------------
 class ServerProcess:
-    """A control plane in a child process with its own temporary home (SQLite store).
+    """A control plane in a child process with its own temporary home (SQLite store, or ``database_url``).
 
     Use as a context manager; ``stop()`` is idempotent and always reaps the child (SIGINT, then
     SIGKILL after a grace period), so Ctrl-C or an exception in the benchmark never leaves it behind.
@@ -110,9 +110,11 @@ class ServerProcess:
         wrap: str | None = None,
         startup_timeout_s: float = 30.0,
         python: str = sys.executable,
+        database_url: str | None = None,
     ) -> None:
         from dsec.control.server import free_port
 
+        self.database_url = database_url  # None: a temporary SQLite file in the home
         self.admin_token = admin_token
         self.host = "127.0.0.1"
         self.port = free_port(self.host)
@@ -142,7 +144,9 @@ class ServerProcess:
 
     def _spawn(self) -> None:
         env = dict(os.environ)
-        env.pop("DSEC_DATABASE_URL", None)  # always the temporary SQLite store
+        env.pop("DSEC_DATABASE_URL", None)  # the temporary SQLite store unless the benchmark names one
+        if self.database_url is not None:
+            env["DSEC_DATABASE_URL"] = self.database_url
         # The child's stdout goes to our stderr: our stdout's last line is the JSON result.
         self.proc = subprocess.Popen(self._cmd, stdout=sys.stderr, env=env)
         try:

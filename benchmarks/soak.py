@@ -1,7 +1,9 @@
 """Soak and crash: many simulated workers beating for minutes against a real control plane, then a kill -9 of the
 control plane under that load and a restart on the same store.
 
-The control plane runs in a child process (``_common.ServerProcess``, a temporary SQLite store). ``--workers``
+The control plane runs in a child process (``_common.ServerProcess``, a temporary SQLite store; with ``--postgres``
+a throwaway PostgreSQL cluster on loopback, tests/pg_cluster.py, with fsync off: the crash is the control plane's,
+not the database's). ``--workers``
 workers register, then beat in batches (``POST /v1/heartbeats``, what ``dsec agent`` sends: ``--batch`` workers per
 request over ``--connections`` connections), each worker every ``--interval`` s, paced. ``--event-ratio`` of the
 beats carry a ``log`` event whose text names the worker and the beat's seq; an item answered 200 (not a duplicate)
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -298,6 +301,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--event-ratio", type=float, default=0.01)
     ap.add_argument("--directive-every", type=float, default=1.0)
     ap.add_argument("--backoff-cap", type=float, default=5.0)
+    ap.add_argument(
+        "--postgres",
+        action="store_true",
+        help="the store in a throwaway PostgreSQL cluster on loopback (tests/pg_cluster.py; fsync off) instead of "
+        "a temporary SQLite file",
+    )
     return ap.parse_args(argv)
 
 
@@ -310,12 +319,20 @@ def main(argv: list[str] | None = None) -> int:
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
-    with ServerProcess() as server:
+    with contextlib.ExitStack() as stack:
+        url = None
+        if args.postgres:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from pg_cluster import throwaway_postgres
+
+            url = stack.enter_context(throwaway_postgres())
+        server = stack.enter_context(ServerProcess(database_url=url))
         with admin_client(server) as admin:
             admin.put_pool(POOL, memory_base_gb=7.0, memory_ceiling_gb=12.0)
             n = -(-args.workers // REGISTRATIONS_PER_TOKEN)
             tokens = [admin.create_token(pool=POOL, label=f"soak {i}") for i in range(n)]
         result = runner(soak(args, server, tokens))
+        result["store"] = "postgresql" if args.postgres else "sqlite"
     print(
         f"{result['workers']} workers every {args.interval:g} s for {args.duration:g} s: RSS growth "
         f"{result['rss_growth']:.1%}, p99 {result['p99_ms']} ms (x{result['p99_stability']}); kill -9 + restart "

@@ -1,4 +1,5 @@
-"""A throwaway PostgreSQL cluster for tests (the ``postgres_url`` session fixture, registered in conftest.py).
+"""A throwaway PostgreSQL cluster for tests (the ``postgres_url`` session fixture, registered in conftest.py) and for
+benchmarks (``throwaway_postgres``: benchmarks/soak.py --postgres).
 
 initdb (from /usr/lib/postgresql/*/bin, or on PATH) creates a cluster in a temporary directory owned by the
 ``postgres`` user when running as root; it is started on a free port of 127.0.0.1 and removed at the end of the
@@ -8,6 +9,7 @@ database between tests.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -49,22 +51,29 @@ def _run(args: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed ({proc.returncode}): {proc.stdout}\n{proc.stderr}")
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
+class Unavailable(Exception):
+    """PostgreSQL cannot be started here; the message says what is missing."""
+
+
+@contextlib.contextmanager
+def throwaway_postgres() -> Iterator[str]:
+    """A fresh PostgreSQL cluster on a free port of 127.0.0.1 (fsync off: a throwaway), its ``dsec`` database's
+    SQLAlchemy URL while the block runs; stopped and removed after. ``Unavailable`` when initdb, psycopg or the
+    ``postgres`` user (when root) is missing; RuntimeError when the cluster does not start."""
     bindir = _pg_bin()
     if bindir is None:
-        pytest.skip("PostgreSQL not installed: no initdb under /usr/lib/postgresql/*/bin or on PATH")
+        raise Unavailable("PostgreSQL not installed: no initdb under /usr/lib/postgresql/*/bin or on PATH")
     try:
         import psycopg  # noqa: F401
     except ImportError:
-        pytest.skip("psycopg is not installed (pip install 'dsec[postgres]')")
+        raise Unavailable("psycopg is not installed (pip install 'dsec[postgres]')") from None
     if os.geteuid() == 0:
         try:
             import pwd
 
             pg_user = pwd.getpwnam("postgres")
         except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user to run initdb as")
+            raise Unavailable("running as root and there is no 'postgres' user to run initdb as") from None
     root = Path(tempfile.mkdtemp(prefix="dsec-pg-"))
     data, sock, log = root / "data", root / "sock", root / "postgres.log"
     sock.mkdir()
@@ -89,11 +98,26 @@ def postgres_url() -> Iterator[str]:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         _stop_postgres(pg_ctl, data, root)
         log_tail = log.read_text()[-2000:] if log.exists() else ""
-        pytest.fail(f"could not start PostgreSQL: {exc}\n{log_tail}")
+        raise RuntimeError(f"could not start PostgreSQL: {exc}\n{log_tail}") from exc
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/dsec"
     finally:
         _stop_postgres(pg_ctl, data, root)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    try:
+        cluster = throwaway_postgres()
+        url = cluster.__enter__()
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield url
+    finally:
+        cluster.__exit__(None, None, None)
 
 
 def _stop_postgres(pg_ctl: str, data: Path, root: Path) -> None:
