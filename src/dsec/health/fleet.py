@@ -241,6 +241,39 @@ def _is_outlier(spec: FeatureSpec, value: float, median: float, scale: float, z_
     return None
 
 
+_FLOAT_OR_NONE = frozenset({float, type(None)})
+
+
+def _finite_column(metrics: list[Mapping[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    """The indexes of ``metrics`` whose ``name`` is a finite number (not a bool), and those values as floats: what
+    ``PeerSample.value`` reads, one column at a time (a pool's judgment reads 7 features of 10,000 workers)."""
+    column = [m.get(name) for m in metrics]
+    if set(map(type, column)) <= _FLOAT_OR_NONE:  # reported summaries: the common case
+        index = [i for i, v in enumerate(column) if v is not None and v - v == 0.0]  # finite: inf - inf is nan
+        return index, [column[i] for i in index]  # type: ignore[misc]
+    index, values = [], []
+    for i, v in enumerate(column):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(f := float(v)):
+            index.append(i)
+            values.append(f)
+    return index, values
+
+
+def _beyond(
+    direction: Direction, index: list[int], values: list[float], median: float, cut: float
+) -> list[tuple[int, float]]:
+    """The (index, value) pairs whose distance from ``median`` in ``direction`` may exceed ``cut`` (z_threshold x
+    scale): the only candidates ``_is_outlier`` can flag, found in one pass without a call per worker. Loose by a
+    billionth, so that no value the exact test flags is left out by rounding; ``_is_outlier`` then decides."""
+    cut *= 1.0 - 1e-9
+    pairs = zip(index, values, strict=True)
+    if direction == "high":
+        return [(i, v) for i, v in pairs if v - median > cut]
+    if direction == "low":
+        return [(i, v) for i, v in pairs if median - v > cut]
+    return [(i, v) for i, v in pairs if abs(v - median) > cut]
+
+
 def compare(samples: Iterable[PeerSample], config: FleetConfig | None = None) -> FleetReport:
     """Compare every worker with the peers of its role, feature by feature. Worker ids must be unique."""
     config = config if config is not None else FleetConfig()
@@ -255,23 +288,23 @@ def compare(samples: Iterable[PeerSample], config: FleetConfig | None = None) ->
     stats: list[RoleStats] = []
     outliers: list[Outlier] = []
     for role in sorted(by_role):
+        peers = by_role[role]
+        metrics = [s.metrics for s in peers]
         for spec in config.features:
-            values: list[tuple[str, float]] = []
-            for sample in by_role[role]:
-                v = sample.value(spec.name)
-                if v is not None:
-                    values.append((sample.worker_id, v))
+            index, values = _finite_column(metrics, spec.name)
             if not values:
                 continue
-            median = _median([v for _, v in values])
-            mad = MAD_TO_SIGMA * _median([abs(v - median) for _, v in values])
+            median = _median(values)
+            mad = MAD_TO_SIGMA * _median([abs(v - median) for v in values])
             stats.append(RoleStats(role=role, feature=spec.name, n=len(values), median=median, mad=mad))
             if len(values) < config.min_peers:
                 continue
             floor = max(spec.min_abs_excess, spec.min_rel_excess * abs(median))
             scale = max(mad, floor / config.z_threshold, _MIN_SCALE)
-            for worker_id, v in sorted(values):
+            found = []
+            for i, v in _beyond(spec.direction, index, values, median, config.z_threshold * scale):
                 z = _is_outlier(spec, v, median, scale, config.z_threshold)
                 if z is not None:
-                    outliers.append(Outlier(worker_id, role, spec.name, v, median, mad, z))
+                    found.append(Outlier(peers[i].worker_id, role, spec.name, v, median, mad, z))
+            outliers.extend(sorted(found, key=lambda o: (o.worker_id, o.value)))
     return FleetReport(stats=tuple(stats), outliers=tuple(outliers))
