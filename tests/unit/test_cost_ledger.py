@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsec.control.cost import CostMeter
+from dsec.control.retention import KEPT_TYPES
 from dsec.control.settings import Settings
 from dsec.control.state import HotState
 from dsec.control.store import WriteBatch, open_store
@@ -134,6 +135,39 @@ def test_each_refresh_answers_what_a_full_replay_answers(
             gauges["notes"].pop()
             for pool in full["pools"]:
                 pool["opportunity"]["throughput"] = []
+        assert gauges == full, json.dumps([gauges["pools"], full["pools"]], default=str)
+    m.store.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    history=histories(),
+    passes=st.lists(st.floats(100, 24_000).map(round), min_size=2, max_size=6, unique=True),
+    prune_after=st.integers(0, 4),
+    age=st.floats(0, 6 * H).map(round),
+)
+def test_after_the_retention_pruned_the_store_each_refresh_still_answers_what_a_full_replay_answers(
+    tmp_path_factory: pytest.TempPathFactory, history: Any, passes: list[float], prune_after: int, age: float
+) -> None:
+    """The retention pass deletes every event older than its cutoff but the kept types (control/retention.py) and
+    tells the meter (``forget_pruned``): the ledger drops the same, so it does not go on counting what a full read
+    of the store no longer sees (a live worker older than the retention: its registration and lost/rejoined)."""
+    workers, lives, events = history
+    m = meter(tmp_path_factory.mktemp("pruned"))
+    committed = 0
+    for k, now in enumerate(sorted(passes)):
+        upto = len(events) * (k + 1) // len(passes)
+        if upto > committed:
+            m.store.write(WriteBatch(events=events[committed:upto]))
+            committed = upto
+        if k == min(prune_after, len(passes) - 1):
+            cutoff = now - age
+            if m.store.prune_events(cutoff, KEPT_TYPES):
+                m.forget_pruned(cutoff, KEPT_TYPES)
+        live = [w for w, (reg, gone) in zip(workers, lives, strict=True) if reg < now and (gone is None or gone > now)]
+        window = Window(max(0.0, now - H), now)
+        gauges = comparable(m._gauge_report(live, window, now, throughput=True))
+        full = comparable(m._account(live, window, None, now))
         assert gauges == full, json.dumps([gauges["pools"], full["pools"]], default=str)
     m.store.close()
 

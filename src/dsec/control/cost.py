@@ -95,6 +95,9 @@ class CostMeter:
         self.last: CostReport | None = None
         self._refreshed_at = -math.inf
         self._ledger: CostLedger | None = None  # the gauges' events, kept between refreshes
+        # What the retention pass deleted since the last refresh (before, kept types): the ledger drops the same at
+        # the next refresh, on the refresh's thread (the ledger is used there only).
+        self._pruned: list[tuple[float, tuple[EventType, ...]]] = []
 
     async def report(self, window: Window, pool: str | None = None) -> CostReport:
         """The report over ``window`` (nothing is allocated after now: the future holds no device)."""
@@ -127,6 +130,10 @@ class CostMeter:
             report.notes.append(f"truncated: more than {MAX_EVENTS} events in the window; the oldest were read")
         return report
 
+    def forget_pruned(self, before: float, kept: Sequence[EventType]) -> None:
+        """The store's retention deleted every event older than ``before`` not of a ``kept`` type."""
+        self._pruned.append((before, tuple(kept)))
+
     async def refresh(self) -> None:
         """Recompute the last hour's report when ``cost_refresh_s`` has passed (from the reconcile loop)."""
         now = self.clock()
@@ -151,6 +158,10 @@ class CostMeter:
         refresh. The report says either. The gauges show no throughput effects, so by default none are computed."""
         state_since = min([window.since, *(w.registered_at for w in live)])
         ledger = self._ledger
+        pruned, self._pruned = self._pruned, []
+        if ledger is not None:
+            for before, kept in pruned:
+                ledger.forget_pruned(before, kept)
         notes = []
         if ledger is None or not ledger.covers(state_since, window.since):
             ledger = CostLedger(state_since, window.since)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
@@ -54,6 +55,8 @@ class Reconciler:
         self.policies = policies
         self.clock = clock
         self._last_retention = -math.inf
+        # Told what each retention pass deleted (the cost gauges' ledger drops the same: control/cost.py).
+        self.on_pruned: Callable[[float, Sequence[EventType]], None] | None = None
 
     async def reconcile(self, stall_s: float = 0.0) -> list[str]:
         """One pass of the control loop: mark overdue workers lost (durably, with an event), then the
@@ -88,6 +91,8 @@ class Reconciler:
         cutoff = retention.event_cutoff(now, self.settings.event_retention_s)
         if cutoff is not None:
             pruned = await self.log.prune_events(cutoff, retention.KEPT_TYPES)
+            if pruned and self.on_pruned is not None:
+                self.on_pruned(cutoff, retention.KEPT_TYPES)
         if gone or pruned:
             logger.info("retention: forgot %d deregistered worker(s), pruned %d event(s)", len(gone), pruned)
         return gone, pruned

@@ -96,6 +96,7 @@ class ControlPlane:
         )  # fmt: skip
         self.reads = ReadModels(self.state, self.judge, self.beats, clock, self.started_at)
         self.cost = CostMeter(self.state, store, settings, clock, self.started_at)
+        self.reconciler.on_pruned = self.cost.forget_pruned
 
     @staticmethod
     def _alert_router(settings: Settings, extra: Iterable[Sink]) -> AlertRouter:

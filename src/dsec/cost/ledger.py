@@ -12,8 +12,8 @@ What a full read sees and the ledger must see too:
   from their ``registered`` events in that range;
 - the ``snapshot`` events with ``since <= ts < until``.
 A worker's events may arrive late and out of time order (a worker's own clock; a probe's buffer after an outage), so
-the ledger keeps everything newer than its horizon and filters by time at each report. It keeps, too, what the
-store's event retention deleted since (30 days by default): a full read no longer sees those.
+the ledger keeps everything newer than its horizon and filters by time at each report. What the store's event
+retention deletes (30 days by default), the ledger is told to drop too (``forget_pruned``, from the retention pass).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dsec.cost.accounting import CostReport, ProcessUsage, overhead_of, retired_records, snapshot_figures, tally
@@ -165,6 +165,32 @@ class CostLedger:
         out = tally(workers, segments_of, by_pool, window, price_per_device_hour, process, overheads, throughput)
         self._forget(state_since, window.since)
         return out
+
+    def forget_pruned(self, before: float, kept: Collection[EventType]) -> None:
+        """Drop what the store's event retention deleted (control/retention.py: every event older than ``before``
+        whose type is not ``kept``), so that a report stays what a full read of the store answers: a live worker
+        older than the retention keeps its registration and its kept events only."""
+
+        def gone(e: Event) -> bool:
+            return e.ts < before and e.type not in kept
+
+        for wid, w in list(self._workers.items()):
+            if w.min_ts >= before or not any(gone(e) for e in w.events):
+                continue
+            left = _Worker()
+            for e in w.events:
+                if not gone(e):
+                    left.add(e)
+            if left.events:
+                self._workers[wid] = left  # a new key: its segments are recomputed
+            else:
+                del self._workers[wid]
+        self._registered = [e for e in self._registered if not gone(e)]
+        self._recoveries = [e for e in self._recoveries if not gone(e)]
+        self._snapshots = deque(e for e in self._snapshots if not gone(e))
+        if EventType.SNAPSHOT not in kept:
+            for columns in self._columns.values():
+                columns.forget(before)
 
     def _forget(self, state_since: float, window_since: float) -> None:
         """Drop what no later report can read: reports only move forward (``covers``), so a full read would never

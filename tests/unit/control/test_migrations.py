@@ -69,3 +69,38 @@ def test_a_database_before_placements_and_policies_keeps_its_data_and_gains_empt
         assert store.list_placements() == [] and store.current_policy() is None
     finally:
         store.close()
+
+
+def test_event_ids_are_never_reused_after_retention_deleted_the_newest(tmp_path: Path) -> None:
+    """An event id is a cursor (``GET /v1/events?after=``, the cost ledger): once retention has deleted every event
+    (or the newest), the next event must still get an id above every id handed out. A database from before 0005 keeps
+    its events and ids and gains that."""
+    from dsec.control.store import WriteBatch
+    from dsec.model import Event, EventType
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = _at_revision(url, "0004_placements_policies")
+    events = sa.table(
+        "events",
+        sa.column("id", sa.Integer),
+        sa.column("ts", sa.Float),
+        sa.column("type", sa.String),
+        sa.column("worker_id", sa.String),
+        sa.column("pool", sa.String),
+        sa.column("data", sa.JSON),
+    )
+    with engine.begin() as conn:
+        conn.execute(sa.insert(events), [{"ts": 1.0 + i, "type": "log", "worker_id": "w", "pool": "p", "data": {}}
+                                         for i in range(3)])  # fmt: skip
+    engine.dispose()
+    store = open_store(url)  # migrates to the newest revision
+    try:
+        from dsec.control.store import EventQuery
+
+        assert [e.id for e in store.query_events(EventQuery())] == [1, 2, 3]  # kept, with their ids
+        assert store.prune_events(before=10.0) == 3  # retention deleted every event
+        store.write(WriteBatch(events=[Event(ts=20.0, type=EventType.LOG, worker_id="w", pool="p", data={})]))
+        (fresh,) = store.query_events(EventQuery())
+        assert fresh.id is not None and fresh.id > 3, fresh.id  # plain SQLite rowids would hand out 1 again
+    finally:
+        store.close()

@@ -61,6 +61,8 @@ events = Table(
     Index("ix_events_pool_id", "pool", "id"),
     Index("ix_events_type_id", "type", "id"),
     Index("ix_events_ts", "ts"),
+    # Ids are cursors (GET /v1/events?after=, the cost ledger): never reused after retention (migration 0005).
+    sqlite_autoincrement=True,
 )
 
 tokens = Table(
