@@ -192,7 +192,12 @@ class Breaker:
     def observe(self, sample: Sample, caps: Caps) -> None:
         if sample.ts <= self.evidence_since:
             return
-        values = sample.values()
+        self.observe_values(sample.ts, sample.values(), caps)
+
+    def observe_values(self, ts: float, values: dict[str, float], caps: Caps) -> None:
+        """``observe`` of a sample at ``ts`` whose ``values()`` are ``values`` (kept: not to be changed after)."""
+        if ts <= self.evidence_since:
+            return
         limits = caps.limits()
         # One pass for both questions (every beat of every worker asks them): is any signal over its cap, and is
         # every signal under its cap by the hysteresis margin.
@@ -204,15 +209,15 @@ class Breaker:
                 calm = calm and v < cap * keep
         self._latest_over = over
         times = self._sample_ts
-        times.append(sample.ts)
+        times.append(ts)
         self._samples.append(values)
-        horizon = sample.ts - self.config.window_s  # calm is tracked by calm_since, not by samples
+        horizon = ts - self.config.window_s  # calm is tracked by calm_since, not by samples
         while times and times[0] < horizon:
             times.popleft()
             self._samples.popleft()
         if calm:
             if self.calm_since is None:
-                self.calm_since = sample.ts
+                self.calm_since = ts
                 self.calm_count = 0
             self.calm_count += 1
         else:
