@@ -263,6 +263,11 @@ class HotState:
         with self._lock:
             self._dirty.update(worker_ids)
 
+    def mark_dirty_one(self, worker_id: str) -> None:
+        """``mark_dirty(worker_id)``, for the beat path (once per beat without events): no argument tuple."""
+        with self._lock:
+            self._dirty.add(worker_id)
+
     @contextmanager
     def writing(self, *worker_ids: str) -> Iterator[None]:
         """Around a request that commits rows of ``worker_ids`` and then applies the change here: meanwhile the

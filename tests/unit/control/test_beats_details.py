@@ -141,3 +141,26 @@ async def test_rejoin_ack_and_role_events_are_the_workers_and_dated_now(cp: Cont
     kinds = (EventType.REJOINED, EventType.DIRECTIVE_ACKED, EventType.ROLE_INFERRED)
     recorded = {e.type: (e.ts, e.worker_id, e.pool) for e in _events(cp, w, *kinds)}
     assert recorded == dict.fromkeys(kinds, (T0 + 4, w.id, "pool-a"))
+
+
+# -- the common beat's shortcuts (beats.py skips two calls for it) ------------------------------------------------
+@pytest.mark.parametrize("lost", [False, True])
+@pytest.mark.parametrize("acked", [0, 1])
+@pytest.mark.parametrize("events", [[], [{"type": "log", "data": {"msg": "x"}}]])
+async def test_the_calls_a_common_beat_skips_answer_nothing_for_it(
+    cp: ControlPlane, lost: bool, acked: int, events: list[dict[str, object]]
+) -> None:
+    """A beat without events, not back from lost and acking nothing new skips ``_beat_events`` (it would answer []),
+    and one without an inferred role skips ``_role_change`` (None): what each answers there, and only there."""
+    from dsec.control.schemas import HeartbeatRequest
+
+    w = await _worker(cp)  # directive version 1, nothing acked yet
+    if lost:
+        w.state = WorkerState.LOST
+    req = HeartbeatRequest.model_validate({"seq": 1, "acked_directive_version": acked, "events": events})
+    newly_acked = acked > w.acked_version
+    recorded = cp.beats._beat_events(w, req, T0, lost, newly_acked)
+    assert (recorded == []) is not (bool(req.events) or lost or newly_acked)
+    assert cp.beats._role_change(w, req, T0) is None
+    inferred = HeartbeatRequest.model_validate({"seq": 1, "inferred_role": {"role": "actor"}})
+    assert cp.beats._role_change(w, inferred, T0) is not None
