@@ -128,8 +128,14 @@ class Beats:
     async def heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         # One beat of a worker at a time: a retry arriving while the original is still being committed
         # must see the original's outcome, not race it (the lock is uncontended in normal operation).
-        async with w.lock:
+        # What ``async with w.lock`` does (asyncio.Lock's __aenter__ awaits acquire(), its __aexit__ calls release()),
+        # without the two coroutines those add to every beat.
+        lock = w.lock
+        await lock.acquire()
+        try:
             return await self._heartbeat(w, req)
+        finally:
+            lock.release()
 
     async def _heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         now = self.clock()

@@ -164,3 +164,20 @@ async def test_the_calls_a_common_beat_skips_answer_nothing_for_it(
     assert cp.beats._role_change(w, req, T0) is None
     inferred = HeartbeatRequest.model_validate({"seq": 1, "inferred_role": {"role": "actor"}})
     assert cp.beats._role_change(w, inferred, T0) is not None
+
+
+async def test_a_retry_sent_while_the_original_commits_waits_for_it_and_is_its_duplicate(cp: ControlPlane) -> None:
+    """The worker's lock around a beat: a retry that arrives while the original waits for its commit is answered
+    once that commit is applied, as its duplicate (nothing recorded twice); a refused beat leaves the lock free."""
+    w = await _worker(cp)
+    log = {"type": "log", "data": {"msg": "x"}}
+    first = asyncio.ensure_future(_beat(cp, w, 1, events=[log]))
+    await asyncio.sleep(0)  # the original runs up to its commit, holding the lock
+    assert w.lock.locked()
+    retry = asyncio.ensure_future(_beat(cp, w, 1, events=[log]))
+    original, duplicate = await asyncio.gather(first, retry)
+    assert (original["duplicate"], duplicate["duplicate"]) == (False, True)
+    assert len(_events(cp, w, EventType.LOG)) == 1 and w.last_seq == 1 and w.beats == 1
+    assert not w.lock.locked()
+    await _raises(_beat(cp, w, 2, acked_directive_version=99), 422, "acked_directive_version")
+    assert not w.lock.locked()
