@@ -165,8 +165,12 @@ class Breaker:
     meltdowns: int = 0
     relapses: int = 0
     causes: tuple[str, ...] = ()
-    # (ts, finite signal values) per sample: the values are extracted once, not per decision.
-    _samples: deque[tuple[float, dict[str, float]]] = field(default_factory=deque, repr=False)
+    # Each sample's finite signal values (extracted once, not per decision) and, at the same position, its time.
+    # Two deques, not one of (ts, values) pairs: a pair holding a dict stays tracked by the garbage collector, and one
+    # made per beat of every worker lived long enough to reach the oldest generation, whose full collections (each
+    # over all workers' records) it brought forward; floats and dicts of floats are not tracked.
+    _samples: deque[dict[str, float]] = field(default_factory=deque, repr=False)
+    _sample_ts: deque[float] = field(default_factory=deque, repr=False)
     _undo: Breaker | None = field(default=None, repr=False, compare=False)
     # Whether the newest sample exceeds a cap: overload also requires "still over now", which keeps
     # the healthy heartbeat path O(1) (the window is only scanned when it can matter).
@@ -188,7 +192,12 @@ class Breaker:
     def observe(self, sample: Sample, caps: Caps) -> None:
         if sample.ts <= self.evidence_since:
             return
-        values = sample.values()
+        self.observe_values(sample.ts, sample.values(), caps)
+
+    def observe_values(self, ts: float, values: dict[str, float], caps: Caps) -> None:
+        """``observe`` of a sample at ``ts`` whose ``values()`` are ``values`` (kept: not to be changed after)."""
+        if ts <= self.evidence_since:
+            return
         limits = caps.limits()
         # One pass for both questions (every beat of every worker asks them): is any signal over its cap, and is
         # every signal under its cap by the hysteresis margin.
@@ -199,13 +208,16 @@ class Breaker:
                 over = over or v > cap
                 calm = calm and v < cap * keep
         self._latest_over = over
-        self._samples.append((sample.ts, values))
-        horizon = sample.ts - self.config.window_s  # calm is tracked by calm_since, not by samples
-        while self._samples and self._samples[0][0] < horizon:
+        times = self._sample_ts
+        times.append(ts)
+        self._samples.append(values)
+        horizon = ts - self.config.window_s  # calm is tracked by calm_since, not by samples
+        while times and times[0] < horizon:
+            times.popleft()
             self._samples.popleft()
         if calm:
             if self.calm_since is None:
-                self.calm_since = sample.ts
+                self.calm_since = ts
                 self.calm_count = 0
             self.calm_count += 1
         else:
@@ -221,6 +233,7 @@ class Breaker:
         self.evidence_since = now
         self._latest_over = False
         self._samples.clear()
+        self._sample_ts.clear()
         self.calm_since = None
         self.calm_count = 0
 
@@ -234,7 +247,7 @@ class Breaker:
         if row is None:
             return None
         # What the caller restores if it cannot publish this decision (e.g. the store is down).
-        self._undo = replace(self, _samples=self._samples.copy(), _undo=None)
+        self._undo = replace(self, _samples=self._samples.copy(), _sample_ts=self._sample_ts.copy(), _undo=None)
         after, action = row
         before, level_before = self.phase, self.level
         meltdown = relapse = False
@@ -268,7 +281,7 @@ class Breaker:
             return None, {}
         if self._latest_over and len(self._samples) >= self.config.min_samples:
             start = now - self.config.window_s
-            window = [v for ts, v in self._samples if ts > start]
+            window = [v for ts, v in zip(self._sample_ts, self._samples, strict=True) if ts > start]
             over = self._overload(window, caps)
             if over is not None:
                 return Trigger.OVERLOAD, over

@@ -128,8 +128,14 @@ class Beats:
     async def heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         # One beat of a worker at a time: a retry arriving while the original is still being committed
         # must see the original's outcome, not race it (the lock is uncontended in normal operation).
-        async with w.lock:
+        # What ``async with w.lock`` does (asyncio.Lock's __aenter__ awaits acquire(), its __aexit__ calls release()),
+        # without the two coroutines those add to every beat.
+        lock = w.lock
+        await lock.acquire()
+        try:
             return await self._heartbeat(w, req)
+        finally:
+            lock.release()
 
     async def _heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]:
         now = self.clock()
@@ -142,9 +148,12 @@ class Beats:
             self._spend_event_budget(w, len(req.events))
         was_lost = w.state is WorkerState.LOST
         newly_acked = req.acked_directive_version > w.acked_version
-        events = self._beat_events(w, req, now, was_lost, newly_acked)
+        # The common beat (no events, not back from lost, nothing newly acked, no inferred role) records nothing of
+        # its own: the two calls below would answer [] and None, so it does not make them.
+        events = self._beat_events(w, req, now, was_lost, newly_acked) if req.events or was_lost or newly_acked else []
         info_before = w.info
-        role_event = self._role_change(w, req, now)  # judged in its new role; undone if the commit fails
+        # Judged in its new role; undone if the commit fails.
+        role_event = self._role_change(w, req, now) if req.inferred_role is not None else None
         acked = max(w.acked_version, req.acked_directive_version)
         try:
             verdict, saved = self.judge.on_beat(w, req.metrics, events[: len(req.events)], acked, now)
@@ -153,7 +162,7 @@ class Beats:
             raise
         if role_event is not None:
             events.append(role_event)
-        directive = directive_from(w, verdict, now)
+        directive = directive_from(w, verdict, now) if verdict.patch else None  # no patch: no new directive
         if directive is not None:
             events.append(directive_event(w, directive, verdict.patch, "+".join(verdict.actors), now))
         events += verdict.events
@@ -189,7 +198,7 @@ class Beats:
                 w.state = WorkerState.ACTIVE
         self.heartbeats += 1
         if not events:
-            self.state.mark_dirty(w.id)
+            self.state.mark_dirty_one(w.id)
         return self._beat_answer(w, req, now, duplicate=False)
 
     @staticmethod

@@ -168,7 +168,13 @@ class Judge:
         restore if the verdict cannot be committed)."""
         b = self.breaker(w, now)
         beat = BeatInputs(
-            view_of(w), self.state.pools.get(w.pool), self.caps_for(w), metrics, worker_events, acked_version, now
+            view_of(w, keep=False),
+            self.state.pools.get(w.pool),
+            self.caps_for(w),
+            metrics,
+            worker_events,
+            acked_version,
+            now,
         )
         verdict = judge_beat(beat, b, self.guard(w.id))
         return verdict, b.undo() if verdict.breaker_moved else None

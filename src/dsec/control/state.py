@@ -35,11 +35,13 @@ class AgedMetrics(Mapping[str, float]):
     decisions forever. Immutable: the writer thread may be copying one while the next beat builds another.
     """
 
-    __slots__ = ("_seen", "_values")
+    __slots__ = ("_oldest", "_seen", "_values")
 
     def __init__(self, values: Mapping[str, float] | None = None, seen: Mapping[str, int] | None = None) -> None:
         self._values: dict[str, float] = dict(values or {})
         self._seen: dict[str, int] = {k: (seen or {}).get(k, 0) for k in self._values}
+        # The oldest beat in ``_seen`` (None: empty), kept with it: every beat's ``merged`` asks whether any name aged.
+        self._oldest: int | None = min(self._seen.values(), default=None)
 
     def __getitem__(self, name: str) -> float:
         return self._values[name]
@@ -76,19 +78,21 @@ class AgedMetrics(Mapping[str, float]):
 
     def merged(self, new: Mapping[str, float], beat: int, max_age: int) -> AgedMetrics:
         """These metrics after beat number ``beat`` carrying ``new``: names older than ``max_age`` beats dropped."""
-        out = AgedMetrics()
+        out = AgedMetrics.__new__(AgedMetrics)  # its three slots are set below (__init__ would build empty dicts)
         oldest = beat - max_age
-        if new.keys() >= self._values.keys() and (not self._seen or min(self._seen.values()) >= oldest):
+        if new.keys() >= self._values.keys() and (self._oldest is None or self._oldest >= oldest):
             # The common beat: every name held is sent again and none was too old to keep. The same dicts (names in
             # the same order) as the general case below, from C-level copies instead of two comprehensions per beat.
             out._values = dict(self._values)
             out._values.update(new)
             out._seen = dict.fromkeys(out._values, beat)
+            out._oldest = beat if out._seen else None
             return out
         out._seen = {k: b for k, b in self._seen.items() if b >= oldest}
         out._values = {k: self._values[k] for k in out._seen}
         out._values.update(new)
         out._seen.update(dict.fromkeys(new, beat))
+        out._oldest = min(out._seen.values(), default=None)
         return out
 
 
@@ -258,6 +262,11 @@ class HotState:
     def mark_dirty(self, *worker_ids: str) -> None:
         with self._lock:
             self._dirty.update(worker_ids)
+
+    def mark_dirty_one(self, worker_id: str) -> None:
+        """``mark_dirty(worker_id)``, for the beat path (once per beat without events): no argument tuple."""
+        with self._lock:
+            self._dirty.add(worker_id)
 
     @contextmanager
     def writing(self, *worker_ids: str) -> Iterator[None]:

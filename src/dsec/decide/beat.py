@@ -13,7 +13,7 @@ from typing import Any
 
 from dsec.alerts.model import Severity
 from dsec.breaker import Action, Breaker, Caps, Transition, fields_for
-from dsec.decide.caps import sample_from
+from dsec.decide.caps import sample_values
 from dsec.decide.verdicts import Verdict, alert_event
 from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard, stuck_episode
@@ -83,7 +83,7 @@ def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Ver
     verdict = Verdict()
     w, now = beat.worker, beat.now
     if beat.metrics:
-        breaker.observe(sample_from(beat.metrics, now), beat.caps)
+        breaker.observe_values(now, sample_values(beat.metrics), beat.caps)  # observe(sample_from(...)), less a Sample
     move = breaker_step(breaker, beat.caps, beat.acked_version, now, beat.pool.compression_bits if beat.pool else None)
     if move is not None:
         verdict.breaker_moved = True

@@ -90,3 +90,20 @@ def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:
         latency_ms=latency_signal(metrics),
         memory_gb=finite(metrics, "memory_used_gb"),
     )
+
+
+def sample_values(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """``sample_from(metrics, ts).values()`` without the ``Sample``: the breaker's finite signals, by name (what
+    ``Breaker.observe_values`` takes). Every beat of every worker makes one; the frozen ``Sample`` and reading it back
+    cost ~0.7 µs of it."""
+    out: dict[str, float] = {}
+    upload = finite(metrics, "grad_upload_bytes_per_s")
+    if upload is not None:
+        out["bandwidth_mbps"] = upload / 1e6  # finite: a finite float divided by 1e6
+    latency = latency_signal(metrics)
+    if latency is not None:
+        out["latency_ms"] = latency
+    memory = finite(metrics, "memory_used_gb")
+    if memory is not None:
+        out["memory_gb"] = memory
+    return out

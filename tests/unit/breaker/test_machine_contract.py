@@ -154,6 +154,20 @@ def test_undo_is_the_state_before_the_last_transition_only() -> None:
     assert after_ack is not None and after_ack.phase is Phase.ESCALATING and after_ack.undo() is None
 
 
+def test_undo_keeps_its_own_samples_and_their_times_whatever_the_breaker_does_next() -> None:
+    """The undo state copies the window (values and times): restored after the live breaker was issued its directive
+    (which clears its window) and observed more, it decides what the live one decided, on the same evidence."""
+    b = Breaker(CONFIG)
+    (first,) = feed(b, [(0.0, 200.0), (0.5, 200.0), (1.0, 300.0)])
+    saved = b.undo()
+    assert saved is not None
+    b.issued(2, now=1.0)
+    feed(b, [(1.5, 10.0), (2.0, 10.0), (5.0, 10.0)], acked=2)
+    again = saved.decide(1.0, CAPS, 0)
+    assert again is not None and again.to_dict() == first.to_dict()
+    assert again.evidence["over"]["latency_ms"]["samples"] == 3
+
+
 @pytest.mark.parametrize(
     ("field", "ok", "bad", "expected"),
     [

@@ -141,3 +141,43 @@ async def test_rejoin_ack_and_role_events_are_the_workers_and_dated_now(cp: Cont
     kinds = (EventType.REJOINED, EventType.DIRECTIVE_ACKED, EventType.ROLE_INFERRED)
     recorded = {e.type: (e.ts, e.worker_id, e.pool) for e in _events(cp, w, *kinds)}
     assert recorded == dict.fromkeys(kinds, (T0 + 4, w.id, "pool-a"))
+
+
+# -- the common beat's shortcuts (beats.py skips two calls for it) ------------------------------------------------
+@pytest.mark.parametrize("lost", [False, True])
+@pytest.mark.parametrize("acked", [0, 1])
+@pytest.mark.parametrize("events", [[], [{"type": "log", "data": {"msg": "x"}}]])
+async def test_the_calls_a_common_beat_skips_answer_nothing_for_it(
+    cp: ControlPlane, lost: bool, acked: int, events: list[dict[str, object]]
+) -> None:
+    """A beat without events, not back from lost and acking nothing new skips ``_beat_events`` (it would answer []),
+    and one without an inferred role skips ``_role_change`` (None): what each answers there, and only there."""
+    from dsec.control.schemas import HeartbeatRequest
+
+    w = await _worker(cp)  # directive version 1, nothing acked yet
+    if lost:
+        w.state = WorkerState.LOST
+    req = HeartbeatRequest.model_validate({"seq": 1, "acked_directive_version": acked, "events": events})
+    newly_acked = acked > w.acked_version
+    recorded = cp.beats._beat_events(w, req, T0, lost, newly_acked)
+    assert (recorded == []) is not (bool(req.events) or lost or newly_acked)
+    assert cp.beats._role_change(w, req, T0) is None
+    inferred = HeartbeatRequest.model_validate({"seq": 1, "inferred_role": {"role": "actor"}})
+    assert cp.beats._role_change(w, inferred, T0) is not None
+
+
+async def test_a_retry_sent_while_the_original_commits_waits_for_it_and_is_its_duplicate(cp: ControlPlane) -> None:
+    """The worker's lock around a beat: a retry that arrives while the original waits for its commit is answered
+    once that commit is applied, as its duplicate (nothing recorded twice); a refused beat leaves the lock free."""
+    w = await _worker(cp)
+    log = {"type": "log", "data": {"msg": "x"}}
+    first = asyncio.ensure_future(_beat(cp, w, 1, events=[log]))
+    await asyncio.sleep(0)  # the original runs up to its commit, holding the lock
+    assert w.lock.locked()
+    retry = asyncio.ensure_future(_beat(cp, w, 1, events=[log]))
+    original, duplicate = await asyncio.gather(first, retry)
+    assert (original["duplicate"], duplicate["duplicate"]) == (False, True)
+    assert len(_events(cp, w, EventType.LOG)) == 1 and w.last_seq == 1 and w.beats == 1
+    assert not w.lock.locked()
+    await _raises(_beat(cp, w, 2, acked_directive_version=99), 422, "acked_directive_version")
+    assert not w.lock.locked()

@@ -226,6 +226,27 @@ async def test_a_workers_decision_view_is_kept_until_a_part_of_its_record_change
         assert view_of(live).role == "actor"
 
 
+async def test_a_beats_judgment_keeps_no_view_but_sees_what_a_kept_one_would(
+    settings: Settings, stores: list[SqlStore]
+) -> None:
+    """A beat's judgment builds its view with ``keep=False``: the kept view when it is still good, else an equal one
+    that is not kept (the beat swaps the metrics right after, so keeping it only fed the garbage collector)."""
+    from dsec.control.views import view_of
+
+    async with running_worker(settings, stores) as (cp, w):
+        await w.beat(CALM)
+        live = cp.state.workers[w.id]
+        assert live.view_cache is None  # the beat's judgment kept nothing
+        fresh = view_of(live, keep=False)
+        assert live.view_cache is None and fresh == view_of(live)  # the same view as a kept one
+        kept = view_of(live)
+        assert view_of(live, keep=False) is kept  # still good: handed out again
+        await w.beat(HOT)
+        assert live.view_cache is not None and live.view_cache[4] is kept  # the beat left the kept one alone
+        now = view_of(live, keep=False)
+        assert now is not kept and now.metrics["sync_latency_ms_p50"] == HOT and now == view_of(live)
+
+
 async def test_a_workers_caps_are_kept_until_its_pool_directive_or_safety_floor_changes(
     settings: Settings, stores: list[SqlStore]
 ) -> None:

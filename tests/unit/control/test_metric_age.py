@@ -104,3 +104,4 @@ def test_merged_holds_what_the_general_rule_holds_in_the_same_order(
         seen.update(dict.fromkeys(new, beat))
         assert list(m.items()) == list(values.items())
         assert [(k, m.last_beat(k)) for k in m] == list(seen.items())
+        assert m._oldest == min(seen.values(), default=None)  # what the shortcut's "none aged" test reads
