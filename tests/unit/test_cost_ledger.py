@@ -4,6 +4,7 @@ committed since the last one, and answers what a full replay of the same SQLite 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,29 @@ def histories(draw: st.DrawFn) -> tuple[list[WorkerRecord], list[tuple[float | N
     return workers, lives, [events[i] for i in order]
 
 
+def refreshes(
+    m: CostMeter,
+    history: Any,
+    passes: list[float],
+    throughput: Callable[[int], bool],
+    before: Callable[[int, float], None],
+) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
+    """At each pass (in time order): commit a share of the stream (the rest later, in stream order), call
+    ``before(k, now)``, then (k, the gauges' refresh, a full replay) of the live workers over the last hour."""
+    workers, lives, events = history
+    committed = 0
+    for k, now in enumerate(sorted(passes)):
+        upto = len(events) * (k + 1) // len(passes)
+        if upto > committed:
+            m.store.write(WriteBatch(events=events[committed:upto]))
+            committed = upto
+        before(k, now)
+        live = [w for w, (reg, gone) in zip(workers, lives, strict=True) if reg < now and (gone is None or gone > now)]
+        window = Window(max(0.0, now - H), now)
+        gauges = comparable(m._gauge_report(live, window, now, throughput=throughput(k)))
+        yield k, gauges, comparable(m._account(live, window, None, now))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     history=histories(),
@@ -117,19 +141,8 @@ def test_each_refresh_answers_what_a_full_replay_answers(
     tmp_path_factory: pytest.TempPathFactory, history: Any, passes: list[float], throughputs: list[bool]
 ) -> None:
     """The same figures, with or without the throughput effects (the gauges' refresh computes none)."""
-    workers, lives, events = history
     m = meter(tmp_path_factory.mktemp("ledger"))
-    committed = 0
-    for k, now in enumerate(sorted(passes)):
-        # Commit a share of the stream before each refresh (the rest later), in stream order.
-        upto = len(events) * (k + 1) // len(passes)
-        if upto > committed:
-            m.store.write(WriteBatch(events=events[committed:upto]))
-            committed = upto
-        live = [w for w, (reg, gone) in zip(workers, lives, strict=True) if reg < now and (gone is None or gone > now)]
-        window = Window(max(0.0, now - H), now)
-        gauges = comparable(m._gauge_report(live, window, now, throughput=throughputs[k]))
-        full = comparable(m._account(live, window, None, now))
+    for k, gauges, full in refreshes(m, history, passes, lambda k: throughputs[k], lambda k, now: None):
         if not throughputs[k]:
             assert gauges["notes"][-1].startswith("throughput: not computed")
             gauges["notes"].pop()
@@ -152,22 +165,13 @@ def test_after_the_retention_pruned_the_store_each_refresh_still_answers_what_a_
     """The retention pass deletes every event older than its cutoff but the kept types (control/retention.py) and
     tells the meter (``forget_pruned``): the ledger drops the same, so it does not go on counting what a full read
     of the store no longer sees (a live worker older than the retention: its registration and lost/rejoined)."""
-    workers, lives, events = history
     m = meter(tmp_path_factory.mktemp("pruned"))
-    committed = 0
-    for k, now in enumerate(sorted(passes)):
-        upto = len(events) * (k + 1) // len(passes)
-        if upto > committed:
-            m.store.write(WriteBatch(events=events[committed:upto]))
-            committed = upto
-        if k == min(prune_after, len(passes) - 1):
-            cutoff = now - age
-            if m.store.prune_events(cutoff, KEPT_TYPES):
-                m.forget_pruned(cutoff, KEPT_TYPES)
-        live = [w for w, (reg, gone) in zip(workers, lives, strict=True) if reg < now and (gone is None or gone > now)]
-        window = Window(max(0.0, now - H), now)
-        gauges = comparable(m._gauge_report(live, window, now, throughput=True))
-        full = comparable(m._account(live, window, None, now))
+
+    def prune(k: int, now: float) -> None:
+        if k == min(prune_after, len(passes) - 1) and m.store.prune_events(now - age, KEPT_TYPES):
+            m.forget_pruned(now - age, KEPT_TYPES)
+
+    for _, gauges, full in refreshes(m, history, passes, lambda k: True, prune):
         assert gauges == full, json.dumps([gauges["pools"], full["pools"]], default=str)
     m.store.close()
 
