@@ -31,13 +31,17 @@ FORESEEN_REQUESTS = frozenset({"memory_burst", "memory_recycle"})
 FORESEEN_WINDOW_S = 30.0
 
 
-def foreseen_failure(snapshot_dir: Path, group: str, failed_at: float, window_s: float = FORESEEN_WINDOW_S) -> bool:
-    """True when the newest snapshot of a rank of ``group`` (snapshot names ``<group>-<role>-<rank>``, probe/
-    snapshots.py) was taken for a memory burst or a drain less than ``window_s`` before ``failed_at``. Anything
-    unreadable counts as not foreseen: the cadence then errs towards snapshotting more often, never less."""
+def foreseen_failure(
+    snapshot_dir: Path, group: str, failed_at: float, window_s: float = FORESEEN_WINDOW_S, rank: int | None = None
+) -> bool:
+    """True when the newest snapshot of a rank of ``group`` (of ``rank`` only, when given: a process restarted
+    alone; snapshot names ``<group>-<role>-<rank>``, probe/snapshots.py) was taken for a memory burst or a drain less
+    than ``window_s`` before ``failed_at``. Anything unreadable counts as not foreseen: the cadence then errs
+    towards snapshotting more often, never less."""
     if not snapshot_dir.is_dir():
         return False
-    name = re.compile(rf"^{re.escape(group)}-[A-Za-z]+-\d+$")
+    ranks = r"\d+" if rank is None else str(int(rank))
+    name = re.compile(rf"^{re.escape(group)}-[A-Za-z]+-{ranks}$")
     try:
         store = LocalDirStore(snapshot_dir)
         for worker in (w for w in store.workers() if name.match(w)):

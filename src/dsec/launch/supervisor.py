@@ -365,11 +365,11 @@ class Supervisor:
         else:
             self._pending[group] = rec
 
-    def _foreseen(self, group: str, failed_at: float) -> bool:
+    def _foreseen(self, group: str, failed_at: float, rank: int | None = None) -> bool:
         snaps = self.job.snapshots
         if not snaps.enabled or snaps.cadence == "fixed":
             return False
-        if foreseen_failure(Path(snaps.dir), group, failed_at):
+        if foreseen_failure(Path(snaps.dir), group, failed_at, rank=rank):
             log.info("group %s stopped right after a snapshot taken ahead of it (a memory burst or a drain): not "
                      "counted as a rollback", group)  # fmt: skip
             return True
@@ -406,6 +406,11 @@ class Supervisor:
             return
         self.done.discard(e.worker)
         rank = int(e.worker.rsplit("-", 1)[1])
+        # A learner restarted alone resumes from its own newest snapshot: a rollback for its group's cadence, unless
+        # it moved (its snapshot was taken for the move) or the probe foresaw the stop. Actors keep no snapshot.
+        if reason != MOVE and self._group(e.group).role != "actor" and not self._foreseen(e.group, e.at, rank):
+            self.rollbacks[e.group] += 1
+            self._share_history()
         # The registrations this worker had so far: the restarted process is the one that is not among them (a
         # registration time would need the supervisor's and the control plane's clocks to agree).
         known: set[str] | None = None

@@ -397,3 +397,37 @@ def test_foreseen_reads_the_groups_own_snapshots_only(clock: Clock) -> None:
     assert foreseen_failure(Path("snaps"), "gx", time.time())
     assert not foreseen_failure(Path("snaps"), "g", time.time())
     assert not foreseen_failure(Path("absent"), "gx", time.time())
+
+
+def test_a_learner_restarted_alone_is_a_rollback_of_its_group_unless_its_own_burst_snapshot_foresaw_it(
+    clock: Clock,
+) -> None:
+    """``restart_scope: worker`` on learners: the process resumes from its own newest snapshot, a rollback its group's
+    cadence counts (it was never counted before 2026-12-06), unless that process's own newest snapshot was taken
+    ahead of the stop; a peer's burst snapshot says nothing about it. Actors keep no snapshot: nothing rolls back."""
+    spec = {
+        "job": "j",
+        "pool": "pool-a",
+        "snapshots": {"dir": "snaps", "interval_s": 90},
+        "groups": [
+            {"name": "g", "world_size": 2, "restart_scope": "worker", "command": ["train"]},
+            {"name": "a", "role": "actor", "world_size": 1, "command": ["act"]},
+        ],
+    }
+    _snapshot(Path("snaps"), "g-learner-0", ())
+    _snapshot(Path("snaps"), "g-learner-1", ("memory_burst",))  # rank 1's burst, not rank 0's
+    clock.now = time.time() + 2.0
+
+    def exits(w: WorkerLaunch, n: int) -> int | None:
+        return 1 if "DSEC_RESTORE" not in w.env and w.rank == 0 else None  # g-0 and a-0 die once
+
+    launcher = Launcher(exits, clock)
+    sup = Supervisor(JobFile.model_validate(spec), launcher)
+    sup.start()
+    sup.step()
+    assert sup.restarts == {"g": 1, "a": 1} and launcher.stopped == []  # each alone, peers untouched
+    assert sup.rollbacks == {"g": 1, "a": 0}
+    restarted = {w.worker: w.env for w in launcher.starts[-2] + launcher.starts[-1]}
+    assert restarted["g-0"]["DSEC_SNAPSHOT_HISTORY"].endswith(":1")
+    # The same stop of rank 1, whose own newest snapshot was its burst's: foreseen, not counted.
+    assert sup._foreseen("g", clock.now, rank=1) and not sup._foreseen("g", clock.now, rank=0)
