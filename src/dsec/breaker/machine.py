@@ -190,8 +190,6 @@ class Breaker:
 
     # -- inputs -----------------------------------------------------------------------------------
     def observe(self, sample: Sample, caps: Caps) -> None:
-        if sample.ts <= self.evidence_since:
-            return
         self.observe_values(sample.ts, sample.values(), caps)
 
     def observe_values(self, ts: float, values: dict[str, float], caps: Caps) -> None:

@@ -82,20 +82,14 @@ def latency_signal(metrics: Mapping[str, Any]) -> float | None:
 
 
 def sample_from(metrics: Mapping[str, Any], ts: float) -> Sample:
-    """The breaker's signals from one beat's metrics (latency: ``latency_signal``)."""
-    upload = finite(metrics, "grad_upload_bytes_per_s")
-    return Sample(
-        ts=ts,
-        bandwidth_mbps=None if upload is None else upload / 1e6,
-        latency_ms=latency_signal(metrics),
-        memory_gb=finite(metrics, "memory_used_gb"),
-    )
+    """The breaker's signals from one beat's metrics at ``ts`` (``sample_values``, as a ``Sample``)."""
+    return Sample(ts=ts, **sample_values(metrics))
 
 
 def sample_values(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """``sample_from(metrics, ts).values()`` without the ``Sample``: the breaker's finite signals, by name (what
-    ``Breaker.observe_values`` takes). Every beat of every worker makes one; the frozen ``Sample`` and reading it back
-    cost ~0.7 µs of it."""
+    """The breaker's finite signals from one beat's metrics, by name (latency: ``latency_signal``): what
+    ``Breaker.observe_values`` takes, and ``sample_from(metrics, ts).values()``. Every beat of every worker makes
+    one; building a frozen ``Sample`` and reading it back cost ~0.7 µs of it."""
     out: dict[str, float] = {}
     upload = finite(metrics, "grad_upload_bytes_per_s")
     if upload is not None:

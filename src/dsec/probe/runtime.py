@@ -199,26 +199,21 @@ class Probe:
             cap = limit if card.spec.obey_limits else None  # an allocator nobody caps has no limit to drain before
             self._watch_memory(card.held_gb, card.room_gb(), cap)
             return
-        cuda = self.cuda_memory or (None if self._cuda_failed else self._cuda_memory())
-        if cuda is not None:
-            try:
-                held, room = cuda.read()
-            except Exception:  # the watch must never be what fails a training step
-                log.warning("dsec: reading CUDA memory failed; no drain or burst snapshot from now on", exc_info=True)
-                self.cuda_memory, self._cuda_failed = None, True
-                return
-            # The allocator is capped only where the probe applied the quota (actuators._apply_memory_quota).
-            cap = self.actuators.allocator_limit_gb() if self.actuators.memory_fraction_applied is not None else None
-            self._watch_memory(held, room, cap)
-
-    def _cuda_memory(self) -> CudaMemory | None:
-        """The training code's CUDA device, from the step it initialised CUDA on (kept; never initialised here)."""
+        if self._cuda_failed:
+            return
         try:
-            self.cuda_memory = CudaMemory.of_training()
-        except Exception:  # a broken CUDA install must not fail the training step; the watch is off then
-            log.warning("dsec: cannot read CUDA memory; no drain or burst snapshot on this device", exc_info=True)
+            # The training code's CUDA device, from the step it initialised CUDA on (kept; never initialised here).
+            self.cuda_memory = cuda = self.cuda_memory or CudaMemory.of_training()
+            if cuda is None:
+                return
+            held, room = cuda.read()
+        except Exception:  # a broken CUDA install or read must not fail the training step: the watch is off then
+            log.warning("dsec: cannot read CUDA memory; no drain or burst snapshot from now on", exc_info=True)
             self.cuda_memory, self._cuda_failed = None, True
-        return self.cuda_memory
+            return
+        # The allocator is capped only where the probe applied the quota (actuators._apply_memory_quota).
+        cap = self.actuators.allocator_limit_gb() if self.actuators.memory_fraction_applied is not None else None
+        self._watch_memory(held, room, cap)
 
     def _watch_memory(self, held: float, room: float, cap: float | None) -> None:
         """One reading for the drain before the cap and the snapshot ahead of a burst (dsec.probe.recycle): ``held``
