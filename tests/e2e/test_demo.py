@@ -18,6 +18,7 @@ SCENES = (
     "circuit breaker",
     "stuck episodes",
     "4-bit gradient compression",
+    "paused sampling",
     "liveness",
     "roles inferred",
     "Prometheus /metrics",

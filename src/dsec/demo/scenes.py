@@ -66,7 +66,62 @@ def _compressed(run: DemoRun) -> bool:
     return acked and ratio >= 6.0
 
 
+#: How long the sampling-pause scene holds the actor before resuming it.
+PAUSE_HOLD_S = 1.5
+#: The pause scene's time bound: past it, the liveness scene kills the actor whatever the pause scene got to.
+PAUSE_SCENE_S = 10.0
+
+
+def _pause_actor(run: DemoRun) -> bool:
+    """Pause the actor's asynchronous sampling, watch its env steps stay flat for ``PAUSE_HOLD_S``, resume it, and
+    wait for its env steps to climb again. One step per call (the scene loop calls again while this returns False)."""
+    st = run.state.setdefault("pause", {})
+    now = time.time()
+    st.setdefault("started", now)
+    if now - st["started"] > PAUSE_SCENE_S:
+        return True  # out of time; the check fails and says how far it got
+    actor = next((w for w in run.worker_ids("actor") if w["state"] == "active"), None)
+    steps = actor["metrics"].get("env_steps_total") if actor else None
+    if actor is None or steps is None:
+        return False  # not yet inferred an actor: a pause applies to actors only
+    if "id" not in st:
+        d = run.client.set_directive(actor["id"], async_sampling=False)
+        st.update(id=actor["id"], version=d["desired_version"])
+        return False
+    if "held_from" not in st:
+        if actor["metrics"].get("async_sampling") == 0:  # the probe reports the pause in force
+            st.update(held_from=now, steps_from=steps)
+        return False
+    if "resumed_at" not in st:
+        if now - st["held_from"] < PAUSE_HOLD_S:
+            return False
+        st.update(steps_to=steps, held_s=now - st["held_from"], resumed_at=now)
+        run.client.set_directive(st["id"], async_sampling=True)
+        return False
+    if steps > st["steps_to"] and actor["metrics"].get("async_sampling") == 1:
+        st.update(steps_after=steps, done=True)
+        return True
+    return False
+
+
+def _pause_held(run: DemoRun) -> bool:
+    st = run.state.get("pause", {})
+    if "steps_to" not in st:
+        run.notes.append(f"sampling pause: did not complete (got to {sorted(st)})")
+        return False
+    # A step under way when the pause came in may finish: one env step of slack.
+    held = st["steps_to"] - st["steps_from"] <= 1
+    run.notes.append(
+        f"sampling paused on the actor ({st['id']}): env steps {st['steps_from']:.0f} -> {st['steps_to']:.0f} over "
+        f"{st['held_s']:.1f} s held; resumed: {st.get('steps_after', 0):.0f} env steps"
+    )
+    return held and bool(st.get("done"))
+
+
 def _kill_actor(run: DemoRun) -> bool:
+    pause = run.state.get("pause", {})
+    if pause and not pause.get("done") and time.time() - pause["started"] <= PAUSE_SCENE_S:
+        return False  # the pause scene is still using the actor
     for p in run.procs:
         if p.role == "actor" and p.popen.poll() is None:
             os.killpg(p.popen.pid, signal.SIGKILL)
@@ -210,6 +265,12 @@ SCENES = [
         0.3,
         _compress_rank1,
         _compressed,
+    ),
+    Scene(
+        "paused sampling: the actor's env.step held by a directive (env steps flat), then resumed",
+        0.05,
+        _pause_actor,
+        _pause_held,
     ),
     Scene("liveness: a worker killed -9 becomes 'lost'", 0.3, _kill_actor, _actor_lost),
     Scene(

@@ -1,0 +1,1 @@
+../src/dsec/data/actor_learner_cartpole.py
