@@ -168,7 +168,8 @@ class BreakerPass(Regime):
         sim.bits_frac[w] = 1.0 if bits is None or bits >= 32 else bits / 32.0
         self.breaker_accum[w] = float(fields["grad_accum_steps"])
         self._set_accum(w)
-        sim.paused[w] = not fields["async_sampling"]
+        # The probe holds env.step only in an actor (Probe.wait_for_sampling): a learner told to pause trains on.
+        sim.paused[w] = not fields["async_sampling"] and not bool(sim.is_learner[w])
 
     def _set_accum(self, w: int) -> None:
         """Worker ``w``'s accumulation: the larger of the breaker's and memory relief's (dsec.quota.relief), while

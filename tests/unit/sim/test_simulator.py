@@ -15,6 +15,7 @@ from xml.etree import ElementTree
 import numpy as np
 import pytest
 
+from dsec.breaker.ladder import MAX_LEVEL, fields_for
 from dsec.model import DeviceHealth
 from dsec.policy import PolicySet
 from dsec.sim.dsec_regime import DsecRegime
@@ -615,6 +616,20 @@ def test_an_absent_actor_holds_no_memory_and_is_not_judged() -> None:
     sim.lose_workers(0, 10.0, "crash", [1], 3.0)
     assert sim.memory(11.0)[1] == 0.0 and sim.memory(11.0)[2] > 0
     assert 1 not in r.running_workers().tolist() and 2 in r.running_workers().tolist()
+
+
+def test_the_ladder_s_top_rung_pauses_an_actor_and_a_learner_trains_on_at_4_bits_and_accumulation() -> None:
+    # The probe holds env.step only in actors (Probe.wait_for_sampling); a learner told to pause keeps stepping.
+    sc = small(**QUIET)
+    r, sim = _running(sc)
+    learner, actor = 0, 1
+    assert sim.is_learner[learner] and not sim.is_learner[actor]
+    for w in (learner, actor):
+        r._apply_fields(w, fields_for(MAX_LEVEL))
+    assert not sim.paused[learner] and sim.paused[actor]
+    assert sim.bits_frac[learner] < 1.0 and sim.accum[learner] > 1  # the rest of the rung applies to both
+    r._apply_fields(actor, fields_for(0))
+    assert not sim.paused[actor]
 
 
 def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_back_and_more_when_learners_fail() -> None:
