@@ -640,3 +640,34 @@ def test_a_pool_turns_the_memory_path_on_for_its_own_workers_only(
         assert off.beat(over)["directive"] is None
         time.sleep(BEAT_S)
     assert events_of(h, off.id, "meltdown") == []
+
+
+def test_an_actor_is_paused_only_when_its_lateness_outweighs_its_samples(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    """The ladder's top rung (dsec.decide.pause): at accumulation x4 with 600 ms steps, one of 2 actors is worth
+    (1 - 0.378) x 600 ms of progress a step, so a sync cost under ~1.5 s is not worth pausing it for — the breaker
+    holds it at level 2 — while 3 s is."""
+    h = start(server_factory, tmp_path / "p", JudgeConfig(breaker=FAST_BREAKER, fleet_interval_s=0.1))
+    slow_actor = Beater(h, h.register("pool-a", role="actor", rank=1))
+    peer = Beater(h, h.register("pool-a", role="actor", rank=2))
+    time.sleep(0.3)  # a fleet pass counts the pool's actors
+    late = {"sync_cost_ms_p50": 200.0, "step_ms_mean": 600.0}
+    for level in (1, 2):
+        d = slow_actor.beat_until(late, lambda a: a["directive"] is not None, timeout=5, what=f"level {level}")
+        assert d["directive"]["async_sampling"] is True
+        slow_actor.ack_latest()
+        peer.beat({"sync_cost_ms_p50": 0.0, "step_ms_mean": 600.0})
+    # Overloaded at level 2 for three evidence windows: held there, sampling on.
+    deadline = time.monotonic() + 3 * FAST_BREAKER.window_s
+    while time.monotonic() < deadline:
+        assert slow_actor.beat(late)["directive"] is None
+        peer.beat({"sync_cost_ms_p50": 0.0, "step_ms_mean": 600.0})
+        time.sleep(BEAT_S)
+    view = api_worker(h, slow_actor.id)
+    assert view["breaker"]["level"] == 2 and slow_actor.directive["async_sampling"] is True
+    # Late enough that waiting costs more than its samples: the top rung.
+    very_late = {"sync_cost_ms_p50": 3000.0, "step_ms_mean": 600.0}
+    d3 = slow_actor.beat_until(very_late, lambda a: a["directive"] is not None, timeout=5, what="level 3")
+    assert d3["directive"]["async_sampling"] is False
+    assert api_worker(h, slow_actor.id)["breaker"]["level"] == 3

@@ -222,6 +222,14 @@ class Breaker:
             self.calm_since = None
             self.calm_count = 0
 
+    def window_median(self, name: str) -> float | None:
+        """The median of signal ``name`` over the samples in the evidence window (None: none carries it)."""
+        vals = sorted(v[name] for v in self._samples if name in v)
+        if not vals:
+            return None
+        mid = len(vals) // 2
+        return vals[mid] if len(vals) % 2 else 0.5 * (vals[mid - 1] + vals[mid])
+
     def issued(self, version: int, now: float) -> None:
         """The caller published the directive carrying the last ESCALATE / STEP_DOWN as ``version``."""
         self.awaiting_version = version
@@ -236,11 +244,13 @@ class Breaker:
         self.calm_count = 0
 
     # -- decision ---------------------------------------------------------------------------------
-    def decide(self, now: float, caps: Caps, acked_version: int) -> Transition | None:
+    def decide(self, now: float, caps: Caps, acked_version: int, top_level: int = MAX_LEVEL) -> Transition | None:
+        """``top_level``: the highest level this worker may reach now (below ``MAX_LEVEL`` where the top rung would
+        not pay, ``dsec.decide.pause``); a worker already above it is not stepped down for it, only held."""
         trigger, evidence = self._trigger(now, caps, acked_version)
         if trigger is None:
             return None
-        at_bound = self.level >= MAX_LEVEL if trigger is Trigger.OVERLOAD else self.level == 0
+        at_bound = self.level >= top_level if trigger is Trigger.OVERLOAD else self.level == 0
         row = TRANSITIONS.get((self.phase, trigger, at_bound))
         if row is None:
             return None

@@ -94,6 +94,7 @@ class Judge:
         self.judged: set[str] = set()
         self.slow_pools: set[str] = set()
         self.latency_floors: dict[str, float] = {}  # cap safety, per pool (decide.safe_latency_floor)
+        self.pool_actors: dict[str, int] = {}  # active actors per pool at the last fleet pass (decide.pause)
         self.pool_memory: dict[str, PoolMemory] = {}
         # Breaker levels recorded before a restart (from the durable breaker events), by worker.
         self.resume_levels: dict[str, int] = {}
@@ -175,6 +176,7 @@ class Judge:
             worker_events,
             acked_version,
             now,
+            self.pool_actors.get(w.pool),
         )
         verdict = judge_beat(beat, b, self.guard(w.id))
         return verdict, b.undo() if verdict.breaker_moved else None
@@ -290,6 +292,8 @@ class Judge:
                 else:
                     self.latency_floors[pool_name] = v.latency_floor_ms
         self.judged = judged
+        # Each pool's active actors, for the top rung's rule (dsec.decide.pause: what one actor's samples are worth).
+        self.pool_actors = {p: sum(1 for v in ws if v.role == "actor") for p, ws in inputs.by_pool.items()}
         for gone in set(self.latency_floors) - set(inputs.by_pool):  # no active worker: nothing to be safe from
             self.latency_floors.pop(gone, None)
         return events

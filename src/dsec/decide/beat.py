@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsec.alerts.model import Severity
-from dsec.breaker import Action, Breaker, Caps, Transition, fields_for
-from dsec.decide.caps import sample_values
+from dsec.breaker import MAX_LEVEL, Action, Breaker, Caps, Transition, fields_for
+from dsec.decide.caps import finite, sample_values
+from dsec.decide.pause import pause_pays
 from dsec.decide.verdicts import Verdict, alert_event
 from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard, stuck_episode
@@ -29,11 +30,17 @@ class BreakerMove:
 
 
 def breaker_step(
-    breaker: Breaker, caps: Caps, acked_version: int, now: float, default_bits: int | None = None
+    breaker: Breaker,
+    caps: Caps,
+    acked_version: int,
+    now: float,
+    default_bits: int | None = None,
+    top_level: int = MAX_LEVEL,
 ) -> BreakerMove | None:
     """Let ``breaker`` decide at ``now`` (after its samples were observed); None when it stays put.
-    ``default_bits``: the compression a worker recovered to level 0 runs at (its pool's ``compression_bits``)."""
-    t = breaker.decide(now, caps, acked_version)
+    ``default_bits``: the compression a worker recovered to level 0 runs at (its pool's ``compression_bits``);
+    ``top_level``: the highest level it may reach now (:func:`top_level`)."""
+    t = breaker.decide(now, caps, acked_version, top_level)
     if t is None:
         return None
     patch = (
@@ -65,9 +72,19 @@ def breaker_events(w: WorkerView, move: BreakerMove, caps: Caps, now: float) -> 
     return out
 
 
+def top_level(role: str, cost_ms: float | None, accum: float, step_ms: float | None, actors: int | None) -> int:
+    """The highest ladder level a worker may reach: the top rung (sampling paused) only for an actor whose lateness
+    costs its group more than its samples are worth (``dsec.decide.pause.pause_pays``). A learner keeps the whole
+    ladder (the probe never holds a learner's env.step, so its top rung changes nothing but the directive)."""
+    if role != "actor" or pause_pays(cost_ms, accum, step_ms, actors or 0):
+        return MAX_LEVEL
+    return MAX_LEVEL - 1
+
+
 @dataclass(frozen=True)
 class BeatInputs:
-    """One accepted heartbeat of ``worker``: its metrics, its events as recorded, the directive version it acked."""
+    """One accepted heartbeat of ``worker``: its metrics, its events as recorded, the directive version it acked;
+    ``actors``: its pool's active actors at the last periodic pass (None: not counted yet)."""
 
     worker: WorkerView
     pool: Pool | None
@@ -76,6 +93,7 @@ class BeatInputs:
     events: Sequence[Event]
     acked_version: int
     now: float
+    actors: int | None = None
 
 
 def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Verdict:
@@ -84,7 +102,18 @@ def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Ver
     w, now = beat.worker, beat.now
     if beat.metrics:
         breaker.observe_values(now, sample_values(beat.metrics), beat.caps)  # observe(sample_from(...)), less a Sample
-    move = breaker_step(breaker, beat.caps, beat.acked_version, now, beat.pool.compression_bits if beat.pool else None)
+    top = MAX_LEVEL
+    if w.role == "actor" and breaker.level >= MAX_LEVEL - 1:  # (only there can the rule decide anything)
+        # Sustained lateness, as the breaker's own evidence is: its window's median sync cost, not one beat's.
+        top = top_level(
+            w.role,
+            breaker.window_median("latency_ms"),
+            float(w.fields.grad_accum_steps),
+            finite(beat.metrics, "step_ms_mean") if beat.metrics else None,
+            beat.actors,
+        )
+    default_bits = beat.pool.compression_bits if beat.pool else None
+    move = breaker_step(breaker, beat.caps, beat.acked_version, now, default_bits, top)
     if move is not None:
         verdict.breaker_moved = True
         if move.patch is not None:

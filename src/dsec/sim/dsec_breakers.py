@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dsec.breaker import Action, Breaker, BreakerConfig, Caps, Phase, Sample
+from dsec.breaker import MAX_LEVEL, Action, Breaker, BreakerConfig, Caps, Phase, Sample
 from dsec.decide import breaker_step, caps_for
+from dsec.decide.beat import top_level
 from dsec.decide.caps import safe_latency_floors
 from dsec.health.fleet import FleetConfig
 from dsec.model import PoolThresholds
@@ -136,7 +137,7 @@ class BreakerPass(Regime):
         self._replay_calm(b, w, k, caps)
         b.observe(sample, caps)
         self.fed_k[w] = k
-        move = breaker_step(b, caps, int(self.version[w]), t)
+        move = breaker_step(b, caps, int(self.version[w]), t, top_level=self._top_level(w, g, b))
         self.closed[w] = b.phase is Phase.CLOSED
         if move is None:
             return
@@ -149,6 +150,18 @@ class BreakerPass(Regime):
             b.issued(int(self.version[w]), t)  # the ack comes with the next sample
             self.closed[w] = False
             self._apply_fields(w, move.patch)
+
+    def _top_level(self, w: int, g: int, b: Breaker) -> int:
+        """The highest level worker ``w`` may reach (``dsec.decide.beat.top_level``) from what its probe would report:
+        the wait it alone caused its group, as the median of the last three samples (``Simulation.lateness_ring``:
+        the stand-in for the median ``sync_cost_ms`` over the breaker's evidence window that the control plane
+        reads; this simulator's breakers judge raw latency), per step already (so accumulation 1), its group's step
+        time and actors. Only read at the rung below the top, where it decides anything."""
+        sim = self.sim
+        if not self.sc.dsec.pause_when_it_pays or sim.is_learner[w] or b.level < MAX_LEVEL - 1:
+            return MAX_LEVEL
+        cost = float(np.median(sim.lateness_ring[:, w]))
+        return top_level("actor", cost, 1.0, float(sim.last_step_s[g]) * 1000.0, self.sc.groups.actors)
 
     def _replay_calm(self, b: Breaker, w: int, k: int, caps: Caps) -> None:
         """The calm samples of worker ``w`` kept in the ring since it was last fed, in order, into its breaker."""

@@ -20,8 +20,10 @@ The group's step, per sample (the learner synchronizes with every worker of the 
   (their gradients are dropped: a failed sync);
 - a worker whose asynchronous sampling is paused, or whose process is down while it restarts alone, contributes
   no samples and does not hold the group up;
-- the step is worth the mean of its workers' contributions: 0 for dropped or paused, otherwise the statistical
-  efficiency of what was sent (4-bit compression, accumulation staleness).
+- the step is worth the mean of its workers' contributions: 0 for dropped, otherwise the statistical efficiency of
+  what was sent (4-bit compression, accumulation staleness); while some actors sample nothing (paused or
+  restarting alone), the mean of the others times the measured progress at that share of the actors sampling
+  (``efficiency.sampling_progress``, calibrated on a real actor-learner job; None: they count 0 in the mean).
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ class Simulation:
         self.sync_ops = np.zeros(g)  # gradient syncs attempted / succeeded, per group
         self.sync_ok = np.zeros(g)
         self.last_step_s = np.full(g, sc.groups.step_s)
+        # What each worker's probe reports as its sync cost: how long the group waited for it alone at the last
+        # sample's step (ms; 0 but for each group's latest arrival) — the breaker's top-rung rule reads it.
+        self.lateness_ms = np.zeros(self.N)
+        self.lateness_ring = np.zeros((3, self.N))  # the last three samples' (the breaker's evidence window)
+        self._lateness_k = 0
         self.interruptions: list[Interruption] = []
         self.timeline: list[tuple[float, float]] = []
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -119,6 +126,7 @@ class Simulation:
         self.regime = regime
         grp = sc.groups
         self.transfer_ms = grp.gradient_mb / sc.network.link_mb_per_s * 1000.0
+        self.sampling_curve = sc.efficiency.sampling_curve()
         self.ideal_step_s = grp.step_s + (sc.network.base_latency_ms + self.transfer_ms) / 1000.0
         regime.attach(self)
 
@@ -418,7 +426,14 @@ class Simulation:
             self.accum > 1, eff.accumulated, 1.0
         )
         contrib = np.where(dropped.ravel() | out, 0.0, contrib).reshape(G, n)
-        useful = contrib.mean(axis=1)
+        curve, actors = self.sampling_curve, sc.groups.actors
+        if curve is None or actors == 0:
+            useful = contrib.mean(axis=1)
+        else:
+            # The others' mean (a learner that is out still counts 0), times the progress left at this share of the
+            # actors sampling; with every actor sampling, exactly the mean above.
+            idle = (out & ~self.is_learner).reshape(G, n).sum(axis=1)
+            useful = contrib.sum(axis=1) / np.maximum(n - idle, 1) * np.interp(1.0 - idle / actors, *curve)
         run = self.status == RUN
         ok = run & (counts > 0) & (step_s > 0)
         self.raw_rate = np.where(ok, 1.0 / np.where(ok, step_s, 1.0), 0.0)
@@ -427,3 +442,11 @@ class Simulation:
         self.syncing = np.where(ok, (active * per_step).sum(axis=1), 0.0)
         self.dropped = np.where(ok, (dropped * per_step).sum(axis=1), 0.0)
         self.last_step_s = np.where(ok, step_s, self.last_step_s)
+        # The latest arrival's lead over the next one, both capped at the cutoff: the wait it alone caused.
+        second = np.take_along_axis(ordered, np.maximum(counts - 2, 0)[:, None], 1)[:, 0]
+        lead = np.where(ok & (counts >= 2), np.minimum(latest, cutoff) - np.minimum(second, cutoff), 0.0)
+        last = np.argmax(np.where(paused, -np.inf, arrival), axis=1)
+        self.lateness_ms[:] = 0.0
+        self.lateness_ms[np.arange(G) * n + last] = np.maximum(lead, 0.0) * 1000.0
+        self.lateness_ring[self._lateness_k % 3] = self.lateness_ms
+        self._lateness_k += 1

@@ -158,6 +158,9 @@ class Dsec(_Strict):
     # restarts alone (restart_s on a warm standby, restart_reschedule_s when placement moves it), nothing rolls back.
     # False: every failure restarts the group from its snapshot (the simulator before 2026-12-03).
     restart_actors_alone: bool = True
+    # The ladder's top rung (an actor's sampling paused) only where it pays (dsec.decide.pause: the wait it ends
+    # against what the actor's samples are worth). False: every actor may reach it (before 2026-12-07).
+    pause_when_it_pays: bool = True
     # The job file's ``snapshots.cadence`` (dsec.decide.cadence; the launcher passes each group's history to its
     # learners): ``failure_history`` (the default, in job files too) — each group's interval is Young's
     # sqrt(2 x snapshot_cost_s x MTBF) over the restarts that rolled it back, snapshot_interval_s the prior (30 s to
@@ -178,6 +181,32 @@ class Efficiency(_Strict):
     # Accumulation x4: 0.48 per sample (90% interval 0.33-0.63; 9 of 10 seeds slower, sign test p = 0.02); was an
     # assumed 0.90. A worker's gradient applied every 4th step, the optimizer stepping 4x less often at the same lr.
     accumulated: float = Field(0.48, ge=0, le=1)
+    # A group's progress while some of its actors sample nothing (sampling paused, or the process restarting alone),
+    # as points (share of the group's actors sampling, share of the progress left), joined linearly with (0, 0) and
+    # (1, 1). Measured (benchmarks/calibrate_paused.py, docs/benchmarks.md "What a paused actor costs"): an
+    # actor-learner PPO CartPole with 4 paced actors, 5 seeds, seconds to return 475 — 1 of 4 paused: 0.713 (90%
+    # interval 0.64-0.75), 2 of 4: 0.378 (0.34-0.44); less than the share of samples left, since the remaining
+    # actors' samples also taught less per sample there. None: the model before (a worker that samples nothing
+    # counts 0 in the mean of the group's contributions, as a dropped gradient does).
+    sampling_progress: list[tuple[float, float]] | None = [(0.5, 0.378), (0.75, 0.713)]
+
+    @model_validator(mode="after")
+    def _curve(self) -> Efficiency:
+        pts = self.sampling_progress or []
+        shares = [x for x, _ in pts]
+        progress = [y for _, y in pts]
+        if any(not 0.0 < x < 1.0 for x in shares) or shares != sorted(set(shares)):
+            raise ValueError("sampling_progress: shares must be increasing, each between 0 and 1 (both excluded)")
+        if any(not 0.0 <= y <= 1.0 for y in progress) or progress != sorted(progress):
+            raise ValueError("sampling_progress: progress must be non-decreasing, each between 0 and 1")
+        return self
+
+    def sampling_curve(self) -> tuple[list[float], list[float]] | None:
+        """The curve's x and y points for ``numpy.interp``, ends included; None for the model before."""
+        if self.sampling_progress is None:
+            return None
+        pts = [(0.0, 0.0), *self.sampling_progress, (1.0, 1.0)]
+        return [x for x, _ in pts], [y for _, y in pts]
 
 
 class Scenario(_Strict):

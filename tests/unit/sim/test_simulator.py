@@ -632,6 +632,44 @@ def test_the_ladder_s_top_rung_pauses_an_actor_and_a_learner_trains_on_at_4_bits
     assert not sim.paused[actor]
 
 
+def test_a_group_with_an_actor_sampling_nothing_keeps_the_measured_share_of_its_progress() -> None:
+    sc = small(**QUIET)  # 1 learner + 5 actors a group
+    curve = sc.efficiency.sampling_curve()
+    assert curve is not None
+    for paused in (False, True):
+        _, sim = _running(sc)
+        sim.paused[1] = paused  # an actor of group 0
+        compute = np.full(sim.N, sc.groups.step_s)
+        sim._rates(compute, np.full(sim.N, 10.0))
+        useful = sim.rate / sim.raw_rate
+        assert useful[1:] == pytest.approx(1.0)  # the other groups: untouched
+        assert useful[0] == pytest.approx(float(np.interp(0.8, *curve)) if paused else 1.0)
+    old = small(**{**QUIET, "efficiency": {"sampling_progress": None}})
+    _, sim = _running(old)
+    sim.paused[1] = True
+    sim._rates(np.full(sim.N, old.groups.step_s), np.full(sim.N, 10.0))
+    assert sim.rate[0] / sim.raw_rate[0] == pytest.approx(5 / 6)  # the model before: 0 in the mean of 6
+
+
+@pytest.mark.parametrize(
+    "curve",
+    [[[0.0, 0.1]], [[0.5, 0.4], [0.5, 0.6]], [[0.75, 0.7], [0.5, 0.4]], [[0.5, 0.6], [0.75, 0.5]], [[0.5, 1.2]]],
+)
+def test_a_sampling_progress_curve_that_is_not_a_curve_is_refused(curve: list[list[float]]) -> None:
+    with pytest.raises(ValueError, match="sampling_progress"):
+        small(efficiency={"sampling_progress": curve})
+
+
+def test_the_top_rung_is_taken_only_where_it_pays_and_that_trains_more() -> None:
+    jit = {**QUIET, "network": {"jitter": {"fraction": 0.2, "episodes_per_h": 6, "extra_ms": 300}}}
+    runs = {}
+    for pays in (True, False):
+        sc = small(**{**jit, "dsec": {"pause_when_it_pays": pays}})
+        _, runs[pays] = run_one(sc, "dsec")
+    assert runs[True].meltdowns and runs[False].meltdowns  # jitter melts workers down either way
+    assert runs[True].progress.sum() > runs[False].progress.sum()
+
+
 def test_snapshot_cadence_from_failure_history_saves_less_when_nothing_rolls_back_and_more_when_learners_fail() -> None:
     history = {**QUIET, "duration_h": 6.0, "dsec": {"snapshot_cadence": "failure_history"}}
     long_h, long_f = small(**history), small(**{**QUIET, "duration_h": 6.0, "dsec": {"snapshot_cadence": "fixed"}})

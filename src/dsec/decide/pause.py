@@ -1,0 +1,51 @@
+"""Whether the ladder's top rung — pausing an actor's sampling — pays: a pure rule shared by the control plane and the
+simulator.
+
+At the rung below (4-bit gradients with accumulation x``accum``) a late actor holds its group up by its sync cost
+once every ``accum`` steps. Pausing it ends that wait, and takes its samples away. What an actor's samples are worth
+was measured on a real actor-learner job (benchmarks/calibrate_paused.py, docs/benchmarks.md "What a paused actor
+costs"): with 1 of 4 actors paused the job progressed at 0.713 of its rate, with 2 of 4 at 0.378 — less than the
+share of samples left, since the remaining actors' samples also taught less per sample. So the top rung is taken
+only when the wait it ends costs more per step than the progress it gives up:
+
+    sync cost per step  =  cost_ms / accum   >   (1 - progress_left((actors - 1) / actors)) x step_ms
+
+With the example scenario's 15 actors per learner and 0.6 s steps that is a lateness over ~185 ms per sync at
+accumulation x4; with 4 actors, over ~690 ms. Unknown inputs leave the ladder as it was (the rung allowed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+#: (share of a job's actors sampling, share of its progress left), measured; (0, 0) and (1, 1) join the ends.
+SAMPLING_PROGRESS: tuple[tuple[float, float], ...] = ((0.5, 0.378), (0.75, 0.713))
+
+
+def progress_left(share: float, curve: Sequence[tuple[float, float]] = SAMPLING_PROGRESS) -> float:
+    """The share of its progress a job keeps with ``share`` of its actors sampling: linear between the measured
+    points of ``curve``, with (0, 0) and (1, 1) at the ends."""
+    pts = [(0.0, 0.0), *curve, (1.0, 1.0)]
+    s = min(1.0, max(0.0, share))
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if s <= x1:
+            return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
+    return 1.0
+
+
+def pause_pays(
+    cost_ms: float | None,
+    accum: float,
+    step_ms: float | None,
+    actors: int,
+    curve: Sequence[tuple[float, float]] = SAMPLING_PROGRESS,
+) -> bool:
+    """Whether pausing one more of a group's ``actors`` costs less than the lateness it causes: ``cost_ms`` per sync
+    (the breaker's latency signal: the lateness the group suffered because of this worker), one sync every
+    ``accum`` steps of ``step_ms``. True when the cost, the step time or the number of actors is unknown."""
+    if cost_ms is None or step_ms is None or actors < 1 or not (math.isfinite(cost_ms) and math.isfinite(step_ms)):
+        return True
+    loss = 1.0 - progress_left((actors - 1) / actors, curve)
+    return max(0.0, cost_ms) / max(1.0, accum) > loss * max(0.0, step_ms)
