@@ -42,6 +42,7 @@ from dsec.decide import (
     plan_pool_quotas,
     precision_restore,
 )
+from dsec.decide.pause import learner_step_ms
 from dsec.health.fleet import FleetConfig
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool, WorkerState
@@ -95,6 +96,7 @@ class Judge:
         self.slow_pools: set[str] = set()
         self.latency_floors: dict[str, float] = {}  # cap safety, per pool (decide.safe_latency_floor)
         self.pool_actors: dict[str, int] = {}  # active actors per pool at the last fleet pass (decide.pause)
+        self.pool_step_ms: dict[str, float | None] = {}  # its learners' median step_ms_mean (decide.pause)
         self.pool_memory: dict[str, PoolMemory] = {}
         # Breaker levels recorded before a restart (from the durable breaker events), by worker.
         self.resume_levels: dict[str, int] = {}
@@ -177,6 +179,7 @@ class Judge:
             acked_version,
             now,
             self.pool_actors.get(w.pool),
+            self.pool_step_ms.get(w.pool),
         )
         verdict = judge_beat(beat, b, self.guard(w.id))
         return verdict, b.undo() if verdict.breaker_moved else None
@@ -292,8 +295,10 @@ class Judge:
                 else:
                     self.latency_floors[pool_name] = v.latency_floor_ms
         self.judged = judged
-        # Each pool's active actors, for the top rung's rule (dsec.decide.pause: what one actor's samples are worth).
+        # For the top rung's rule (dsec.decide.pause: what one actor's samples are worth): each pool's active actors,
+        # and its learners' median step time (an actor that steps no optimizer reports none of its own).
         self.pool_actors = {p: sum(1 for v in ws if v.role == "actor") for p, ws in inputs.by_pool.items()}
+        self.pool_step_ms = {p: learner_step_ms(ws) for p, ws in inputs.by_pool.items()}
         for gone in set(self.latency_floors) - set(inputs.by_pool):  # no active worker: nothing to be safe from
             self.latency_floors.pop(gone, None)
         return events

@@ -84,7 +84,8 @@ def top_level(role: str, cost_ms: float | None, accum: float, step_ms: float | N
 @dataclass(frozen=True)
 class BeatInputs:
     """One accepted heartbeat of ``worker``: its metrics, its events as recorded, the directive version it acked;
-    ``actors``: its pool's active actors at the last periodic pass (None: not counted yet)."""
+    ``actors``: its pool's active actors at the last periodic pass (None: not counted yet); ``step_ms``: its pool's
+    learners' median step time then (:func:`dsec.decide.pause.learner_step_ms`; None: none reported)."""
 
     worker: WorkerView
     pool: Pool | None
@@ -94,6 +95,7 @@ class BeatInputs:
     acked_version: int
     now: float
     actors: int | None = None
+    step_ms: float | None = None
 
 
 def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Verdict:
@@ -109,7 +111,8 @@ def judge_beat(beat: BeatInputs, breaker: Breaker, guard: PrecisionGuard) -> Ver
             w.role,
             breaker.window_median("latency_ms"),
             float(w.fields.grad_accum_steps),
-            finite(beat.metrics, "step_ms_mean") if beat.metrics else None,
+            # Its own step time, else its group's: an actor that steps no optimizer reports none.
+            (finite(beat.metrics, "step_ms_mean") if beat.metrics else None) or beat.step_ms,
             beat.actors,
         )
     default_bits = beat.pool.compression_bits if beat.pool else None

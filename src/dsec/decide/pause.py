@@ -18,7 +18,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsec.decide.views import WorkerView
 
 #: (share of a job's actors sampling, share of its progress left), measured; (0, 0) and (1, 1) join the ends.
 SAMPLING_PROGRESS: tuple[tuple[float, float], ...] = ((0.5, 0.378), (0.75, 0.713))
@@ -49,3 +54,14 @@ def pause_pays(
         return True
     loss = 1.0 - progress_left((actors - 1) / actors, curve)
     return max(0.0, cost_ms) / max(1.0, accum) > loss * max(0.0, step_ms)
+
+
+def learner_step_ms(workers: Iterable[WorkerView]) -> float | None:
+    """The median ``step_ms_mean`` of the learners among ``workers`` (a pool's active workers): the step an actor's
+    lateness holds up. None when no learner reports one."""
+    steps = []
+    for w in workers:
+        v = w.metrics.get("step_ms_mean") if w.role == "learner" else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            steps.append(float(v))
+    return statistics.median(steps) if steps else None

@@ -10,7 +10,7 @@ import pytest
 from dsec.breaker import MAX_LEVEL, Breaker, BreakerConfig, Caps, Phase, Sample
 from dsec.decide import BeatInputs, WorkerView, caps_for, judge_beat
 from dsec.decide.beat import top_level
-from dsec.decide.pause import SAMPLING_PROGRESS, pause_pays, progress_left
+from dsec.decide.pause import SAMPLING_PROGRESS, learner_step_ms, pause_pays, progress_left
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import DirectiveFields, Pool, PoolThresholds
 
@@ -98,3 +98,25 @@ def test_a_beat_pauses_an_actor_only_when_its_lateness_outweighs_its_samples(
         assert b.level == MAX_LEVEL and v.patch.get("async_sampling") is False
     else:
         assert b.level == MAX_LEVEL - 1 and "async_sampling" not in v.patch and not v.breaker_moved
+
+
+def test_an_actor_without_a_step_time_of_its_own_is_judged_against_its_learners_step() -> None:
+    fields = DirectiveFields(compression_bits=4, grad_accum_steps=4)
+    metrics = {"sync_cost_ms_p50": 150.0}  # an actor that steps no optimizer reports no step_ms_mean
+    w = WorkerView("w1", "p", "actor", "g", 1, fields=fields, metrics=metrics)
+    caps = caps_for(POOL.thresholds, None, fields)
+    held, paused = _at_rung_below_top(150.0), _at_rung_below_top(150.0)
+    judge_beat(BeatInputs(w, POOL, caps, metrics, (), 0, 4.0, 15, 600.0), held, PrecisionGuard())
+    judge_beat(BeatInputs(w, POOL, caps, metrics, (), 0, 4.0, 15, None), paused, PrecisionGuard())
+    assert held.level == MAX_LEVEL - 1  # against the learners' 600 ms steps: not worth it
+    assert paused.level == MAX_LEVEL  # no step time anywhere: the ladder as before
+
+
+def test_learner_step_ms_is_the_median_over_learners_that_report_one() -> None:
+    def v(role: str, step: object) -> WorkerView:
+        return WorkerView("w", "p", role, "g", 0, metrics={} if step is None else {"step_ms_mean": step})  # type: ignore[dict-item]
+
+    assert learner_step_ms([v("learner", 500.0), v("learner", 700.0), v("learner", 650.0)]) == 650.0
+    assert learner_step_ms([v("learner", 500.0), v("actor", 9000.0), v("learner", None), v("learner", True)]) == 500.0
+    assert learner_step_ms([v("learner", math.nan), v("learner", 0.0), v("actor", 600.0)]) is None
+    assert learner_step_ms([]) is None
