@@ -30,7 +30,9 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
 
 
 def _run(server: ServerThread, *args: str) -> str:
-    result = CliRunner().invoke(app, [*args], env={"DSEC_ENDPOINT": server.url, "DSEC_ADMIN_TOKEN": ADMIN})
+    # A wide terminal whatever the caller's: at 80 columns the status view drops its step-time column.
+    env = {"DSEC_ENDPOINT": server.url, "DSEC_ADMIN_TOKEN": ADMIN, "COLUMNS": "200", "LINES": "100"}
+    result = CliRunner().invoke(app, [*args], env=env)
     assert result.exit_code == 0, result.output
     return result.output
 
