@@ -30,6 +30,8 @@ Per paused configuration, against ``none`` (seed by seed, then medians):
 
     python benchmarks/calibrate_paused.py [--seeds 1,2,3,4,5] [--actors 4] [--configs none,paused1,paused2]
     python benchmarks/calibrate_paused.py --quick     # smoke: 1 seed, low target
+    python benchmarks/calibrate_paused.py --seeds 6,7,8,9,10 --runs-out runs.jsonl   # then, all sittings together:
+    python benchmarks/calibrate_paused.py --summarize runs.jsonl
 
 Wall time is the measure here, so run it on a quiet machine (one run at a time); the actors' pacing keeps the CPU
 they need well under the machine's (4 x 1,000 env steps/s is ~10% of a core for the envs and the policy). The last
@@ -220,7 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=300.0)
     ap.add_argument("--heartbeat", type=float, default=0.2, help="probe heartbeat interval (s): directive latency")
     ap.add_argument("--quick", action="store_true", help="smoke: seed 1, target 60")
+    ap.add_argument("--runs-out", default=None, help="also append every run record here (JSON lines)")
+    ap.add_argument(
+        "--summarize",
+        default=None,
+        metavar="RUNS.jsonl",
+        help="run nothing: summarize run records written by --runs-out (e.g. two sittings' seeds together)",
+    )
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            recorded = [json.loads(line) for line in f if line.strip()]
+        seeds = sorted({int(r["seed"]) for r in recorded})
+        print(json.dumps(_report(args, seeds, recorded, None)))
+        return 0
     if args.quick:
         args.seeds, args.target_return, args.max_seconds = "1", 60.0, 120.0
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -242,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                 for config in configs:
                     rec = run_one(admin, server.url, config, seed, args)
                     runs.append(rec)
+                    if args.runs_out:
+                        with open(args.runs_out, "a") as f:
+                            f.write(json.dumps(rec) + "\n")
                     _log(
                         f"{config:>8} seed {seed}: reached {rec['reached']} {rec['seconds']}s "
                         f"env_steps {rec['env_steps']} by actor {rec['env_steps_by_actor']} "
@@ -249,22 +267,23 @@ def main(argv: list[str] | None = None) -> int:
                     )
         finally:
             admin.close()
-    print(
-        json.dumps(
-            {
-                "benchmark": "calibrate_paused",
-                "example": "examples/actor_learner_cartpole.py",
-                "actors": args.actors,
-                "actor_steps_per_s": args.actor_steps_per_s,
-                "target_return": args.target_return,
-                "seeds": seeds,
-                "configs": summarize(runs, args.actors),
-                "runs": runs,
-                "wall_s": round(time.monotonic() - t0, 1),
-            }
-        )
-    )
+    print(json.dumps(_report(args, seeds, runs, round(time.monotonic() - t0, 1))))
     return 0
+
+
+def _report(args: argparse.Namespace, seeds: list[int], runs: list[dict[str, Any]], wall_s: float | None) -> dict:
+    """The last stdout line: the settings, the per-configuration summary and every run record."""
+    return {
+        "benchmark": "calibrate_paused",
+        "example": "examples/actor_learner_cartpole.py",
+        "actors": args.actors,
+        "actor_steps_per_s": args.actor_steps_per_s,
+        "target_return": args.target_return,
+        "seeds": seeds,
+        "configs": summarize(runs, args.actors),
+        "runs": runs,
+        "wall_s": wall_s,
+    }
 
 
 if __name__ == "__main__":

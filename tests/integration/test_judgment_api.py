@@ -646,7 +646,7 @@ def test_an_actor_is_paused_only_when_its_lateness_outweighs_its_samples(
     server_factory: Callable[..., Harness], tmp_path: Path
 ) -> None:
     """The ladder's top rung (dsec.decide.pause): at accumulation x4 with 600 ms steps, one of 2 actors is worth
-    (1 - 0.378) x 600 ms of progress a step, so a sync cost under ~1.5 s is not worth pausing it for — the breaker
+    (1 - 0.432) x 600 ms of progress a step, so a sync cost under ~1.36 s is not worth pausing it for — the breaker
     holds it at level 2 — while 3 s is."""
     h = start(server_factory, tmp_path / "p", JudgeConfig(breaker=FAST_BREAKER, fleet_interval_s=0.1))
     slow_actor = Beater(h, h.register("pool-a", role="actor", rank=1))

@@ -84,3 +84,18 @@ def test_unreached_runs_stay_out_of_the_ratios_and_a_pause_not_held_is_reported(
     assert p2["paired_ratios"] == [0.5]
     assert p2["model_mean_of_workers"] == 0.6 and p2["model_actor_share"] == 0.5
     assert p2["pauses_held"] is False
+
+
+def test_summarize_reads_run_records_of_several_sittings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    runs = tmp_path / "runs.jsonl"
+    sittings = [[_run("none", 1, 10.0, 50_000), _run("paused1", 1, 14.0, 52_000)],
+                [_run("none", 6, 12.0, 55_000), _run("paused1", 6, 15.0, 56_000)]]  # fmt: skip
+    for sitting in sittings:
+        with runs.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in sitting)
+    assert cal.main(["--summarize", str(runs)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["seeds"] == [1, 6] and len(out["runs"]) == 4
+    assert out["configs"]["paused1"]["paired_ratios"] == [round(10 / 14, 3), 0.8]

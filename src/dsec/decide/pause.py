@@ -4,14 +4,14 @@ simulator.
 At the rung below (4-bit gradients with accumulation x``accum``) a late actor holds its group up by its sync cost
 once every ``accum`` steps. Pausing it ends that wait, and takes its samples away. What an actor's samples are worth
 was measured on a real actor-learner job (benchmarks/calibrate_paused.py, docs/benchmarks.md "What a paused actor
-costs"): with 1 of 4 actors paused the job progressed at 0.713 of its rate, with 2 of 4 at 0.378 — less than the
-share of samples left, since the remaining actors' samples also taught less per sample. So the top rung is taken
-only when the wait it ends costs more per step than the progress it gives up:
+costs"; 10 seeds): with 1 of 4 actors paused the job progressed at 0.739 of its rate, with 2 of 4 at 0.432 — at or
+below the share of samples left, since with fewer actors the remaining samples also taught less per sample. So the
+top rung is taken only when the wait it ends costs more per step than the progress it gives up:
 
     sync cost per step  =  cost_ms / accum   >   (1 - progress_left((actors - 1) / actors)) x step_ms
 
-With the example scenario's 15 actors per learner and 0.6 s steps that is a lateness over ~185 ms per sync at
-accumulation x4; with 4 actors, over ~690 ms. Unknown inputs leave the ladder as it was (the rung allowed).
+With the example scenario's 15 actors per learner and 0.6 s steps that is a lateness over ~167 ms per sync at
+accumulation x4; with 4 actors, over ~626 ms. Unknown inputs leave the ladder as it was (the rung allowed).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dsec.decide.views import WorkerView
 
 #: (share of a job's actors sampling, share of its progress left), measured; (0, 0) and (1, 1) join the ends.
-SAMPLING_PROGRESS: tuple[tuple[float, float], ...] = ((0.5, 0.378), (0.75, 0.713))
+SAMPLING_PROGRESS: tuple[tuple[float, float], ...] = ((0.5, 0.432), (0.75, 0.739))
 
 
 def progress_left(share: float, curve: Sequence[tuple[float, float]] = SAMPLING_PROGRESS) -> float:

@@ -184,11 +184,11 @@ class Efficiency(_Strict):
     # A group's progress while some of its actors sample nothing (sampling paused, or the process restarting alone),
     # as points (share of the group's actors sampling, share of the progress left), joined linearly with (0, 0) and
     # (1, 1). Measured (benchmarks/calibrate_paused.py, docs/benchmarks.md "What a paused actor costs"): an
-    # actor-learner PPO CartPole with 4 paced actors, 5 seeds, seconds to return 475 — 1 of 4 paused: 0.713 (90%
-    # interval 0.64-0.75), 2 of 4: 0.378 (0.34-0.44); less than the share of samples left, since the remaining
+    # actor-learner PPO CartPole with 4 paced actors, 10 seeds, seconds to return 475 — 1 of 4 paused: 0.739 (90%
+    # interval 0.69-0.79), 2 of 4: 0.432 (0.39-0.48); less than the share of samples left, since the remaining
     # actors' samples also taught less per sample there. None: the model before (a worker that samples nothing
     # counts 0 in the mean of the group's contributions, as a dropped gradient does).
-    sampling_progress: list[tuple[float, float]] | None = [(0.5, 0.378), (0.75, 0.713)]
+    sampling_progress: list[tuple[float, float]] | None = [(0.5, 0.432), (0.75, 0.739)]
 
     @model_validator(mode="after")
     def _curve(self) -> Efficiency:

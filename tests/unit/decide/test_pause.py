@@ -19,21 +19,21 @@ def test_progress_left_passes_through_the_measured_points_and_the_ends() -> None
     assert progress_left(1.0) == 1.0 and progress_left(0.0) == 0.0
     for share, progress in SAMPLING_PROGRESS:
         assert progress_left(share) == pytest.approx(progress)
-    assert progress_left(0.25) == pytest.approx(0.378 / 2)
-    assert progress_left(14 / 15) == pytest.approx(0.713 + (1 - 0.713) * (14 / 15 - 0.75) / 0.25)
+    assert progress_left(0.25) == pytest.approx(0.432 / 2)
+    assert progress_left(14 / 15) == pytest.approx(0.739 + (1 - 0.739) * (14 / 15 - 0.75) / 0.25)
     assert progress_left(1.5) == 1.0 and progress_left(-1.0) == 0.0
     assert progress_left(0.5, [(0.5, 0.5)]) == 0.5  # a curve of one's own
 
 
 @pytest.mark.parametrize(
     ("actors", "threshold_ms"),
-    [(15, 4 * (1 - progress_left(14 / 15)) * 600), (4, 4 * (1 - 0.713) * 600), (1, 4 * 600)],
+    [(15, 4 * (1 - progress_left(14 / 15)) * 600), (4, 4 * (1 - 0.739) * 600), (1, 4 * 600)],
 )
 def test_pause_pays_past_the_lateness_one_actor_s_samples_are_worth(actors: int, threshold_ms: float) -> None:
     # One sync every 4 steps of 600 ms: the wait ended per step against the progress given up per step.
     assert not pause_pays(threshold_ms - 1.0, 4, 600.0, actors)
     assert pause_pays(threshold_ms + 1.0, 4, 600.0, actors)
-    assert threshold_ms == pytest.approx({15: 184.0, 4: 688.8, 1: 2400.0}[actors], abs=1.0)
+    assert threshold_ms == pytest.approx({15: 167.0, 4: 626.4, 1: 2400.0}[actors], abs=1.0)
 
 
 def test_unknown_inputs_leave_the_ladder_as_it_was() -> None:
