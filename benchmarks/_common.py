@@ -16,6 +16,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -223,6 +224,29 @@ def wait_healthy(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not answer /healthz within {timeout_s:.0f} s")
         time.sleep(poll_s)
+
+
+def add_run_record_options(ap: argparse.ArgumentParser) -> None:
+    """``--runs-out`` and ``--summarize``: a calibration's run records as JSON lines, so that several sittings' seeds
+    can be summarized together (read_run_records / append_run_record)."""
+    ap.add_argument("--runs-out", default=None, help="also append every run record here (JSON lines)")
+    ap.add_argument(
+        "--summarize",
+        default=None,
+        metavar="RUNS.jsonl",
+        help="run nothing: summarize run records written by --runs-out (e.g. two sittings' seeds together)",
+    )
+
+
+def append_run_record(path: str | None, record: dict[str, Any]) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_run_records(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def admin_client(server: ServerProcess) -> Any:

@@ -283,19 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--update-epochs", type=int, default=8, help="the example's default")
     ap.add_argument("--num-minibatches", type=int, default=4, help="the example's default")
     ap.add_argument("--heartbeat", type=float, default=0.2, help="probe heartbeat interval (s): directive latency")
-    ap.add_argument("--runs-out", default=None, help="also write every run record here (JSON lines, appended)")
     ap.add_argument("--quick", action="store_true", help="smoke: seed 1, target 40, 8192 steps")
-    ap.add_argument(
-        "--summarize",
-        default=None,
-        metavar="RUNS.jsonl",
-        help="run nothing: summarize run records written by --runs-out (e.g. two sittings' seeds together)",
-    )
+    sys.path.insert(0, str(HERE))
+    from _common import ServerProcess, add_run_record_options, admin_client, append_run_record, read_run_records
+
+    add_run_record_options(ap)
     args = ap.parse_args(argv)
     if args.summarize:
-        with open(args.summarize) as f:
-            recorded = [json.loads(line) for line in f if line.strip()]
-        print(json.dumps(report(recorded, args, None)))
+        print(json.dumps(report(read_run_records(args.summarize), args, None)))
         return 0
     if args.quick:
         args.seeds, args.target_return, args.total_steps, args.max_seconds = "1", 40.0, 8192, 120.0
@@ -304,9 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         ap.error(f"--configs: unknown {unknown}")
-
-    sys.path.insert(0, str(HERE))
-    from _common import ServerProcess, admin_client
 
     runs: list[dict[str, Any]] = []
     t0 = time.monotonic()
@@ -324,9 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"(expected {rec['expected_optimizer_steps']}) held {rec['settings_held']} "
                         f"{rec['seconds']}s"
                     )
-                    if args.runs_out:
-                        with open(args.runs_out, "a") as f:
-                            f.write(json.dumps(rec) + "\n")
+                    append_run_record(args.runs_out, rec)
         finally:
             admin.close()
     print(json.dumps(report(runs, args, round(time.monotonic() - t0, 1))))

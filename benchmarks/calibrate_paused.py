@@ -222,17 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=300.0)
     ap.add_argument("--heartbeat", type=float, default=0.2, help="probe heartbeat interval (s): directive latency")
     ap.add_argument("--quick", action="store_true", help="smoke: seed 1, target 60")
-    ap.add_argument("--runs-out", default=None, help="also append every run record here (JSON lines)")
-    ap.add_argument(
-        "--summarize",
-        default=None,
-        metavar="RUNS.jsonl",
-        help="run nothing: summarize run records written by --runs-out (e.g. two sittings' seeds together)",
-    )
+    from _common import ServerProcess, add_run_record_options, admin_client, append_run_record, read_run_records
+
+    add_run_record_options(ap)
     args = ap.parse_args(argv)
     if args.summarize:
-        with open(args.summarize) as f:
-            recorded = [json.loads(line) for line in f if line.strip()]
+        recorded = read_run_records(args.summarize)
         seeds = sorted({int(r["seed"]) for r in recorded})
         print(json.dumps(_report(args, seeds, recorded, None)))
         return 0
@@ -246,8 +241,6 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(f"--configs: {c} pauses every actor (--actors {args.actors})")
         except ValueError as exc:
             ap.error(f"--configs: {exc}")
-    from _common import ServerProcess, admin_client
-
     runs: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with ServerProcess(admin_token="dsa_bench_calibrate_paused") as server:
@@ -257,9 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 for config in configs:
                     rec = run_one(admin, server.url, config, seed, args)
                     runs.append(rec)
-                    if args.runs_out:
-                        with open(args.runs_out, "a") as f:
-                            f.write(json.dumps(rec) + "\n")
+                    append_run_record(args.runs_out, rec)
                     _log(
                         f"{config:>8} seed {seed}: reached {rec['reached']} {rec['seconds']}s "
                         f"env_steps {rec['env_steps']} by actor {rec['env_steps_by_actor']} "
