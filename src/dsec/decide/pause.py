@@ -16,11 +16,12 @@ accumulation x4; with 4 actors, over ~626 ms. Unknown inputs leave the ladder as
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from dsec.decide.views import WorkerView
@@ -29,15 +30,17 @@ if TYPE_CHECKING:
 SAMPLING_PROGRESS: tuple[tuple[float, float], ...] = ((0.5, 0.432), (0.75, 0.739))
 
 
+def curve_points(curve: Sequence[tuple[float, float]] = SAMPLING_PROGRESS) -> tuple[list[float], list[float]]:
+    """``curve``'s shares and progress with (0, 0) and (1, 1) at the ends: ``numpy.interp``'s ``xp`` and ``fp`` (the
+    simulator reads its world's curve through this too, ``dsec.sim.scenario.Efficiency.sampling_curve``)."""
+    pts = [(0.0, 0.0), *curve, (1.0, 1.0)]
+    return [x for x, _ in pts], [y for _, y in pts]
+
+
 def progress_left(share: float, curve: Sequence[tuple[float, float]] = SAMPLING_PROGRESS) -> float:
     """The share of its progress a job keeps with ``share`` of its actors sampling: linear between the measured
-    points of ``curve``, with (0, 0) and (1, 1) at the ends."""
-    pts = [(0.0, 0.0), *curve, (1.0, 1.0)]
-    s = min(1.0, max(0.0, share))
-    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
-        if s <= x1:
-            return y0 + (y1 - y0) * (s - x0) / (x1 - x0)
-    return 1.0
+    points of ``curve``, with (0, 0) and (1, 1) at the ends (a share outside 0..1 reads as the nearer end)."""
+    return float(np.interp(share, *curve_points(curve)))
 
 
 def pause_pays(

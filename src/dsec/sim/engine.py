@@ -113,10 +113,10 @@ class Simulation:
         self.sync_ops = np.zeros(g)  # gradient syncs attempted / succeeded, per group
         self.sync_ok = np.zeros(g)
         self.last_step_s = np.full(g, sc.groups.step_s)
-        # What each worker's probe reports as its sync cost: how long the group waited for it alone at the last
-        # sample's step (ms; 0 but for each group's latest arrival) — the breaker's top-rung rule reads it.
-        self.lateness_ms = np.zeros(self.N)
-        self.lateness_ring = np.zeros((3, self.N))  # the last three samples' (the breaker's evidence window)
+        # What each worker's probe reports as its sync cost, over the last three samples (the breaker's evidence
+        # window): how long the group waited for it alone at that sample's step (ms; 0 but for each group's latest
+        # arrival). The breaker's top-rung rule reads it (dsec.sim.dsec_breakers).
+        self.lateness_ring = np.zeros((3, self.N))
         self._lateness_k = 0
         self.interruptions: list[Interruption] = []
         self.timeline: list[tuple[float, float]] = []
@@ -446,7 +446,7 @@ class Simulation:
         second = np.take_along_axis(ordered, np.maximum(counts - 2, 0)[:, None], 1)[:, 0]
         lead = np.where(ok & (counts >= 2), np.minimum(latest, cutoff) - np.minimum(second, cutoff), 0.0)
         last = np.argmax(np.where(paused, -np.inf, arrival), axis=1)
-        self.lateness_ms[:] = 0.0
-        self.lateness_ms[np.arange(G) * n + last] = np.maximum(lead, 0.0) * 1000.0
-        self.lateness_ring[self._lateness_k % 3] = self.lateness_ms
+        row = self.lateness_ring[self._lateness_k % 3]
+        row[:] = 0.0
+        row[np.arange(G) * n + last] = np.maximum(lead, 0.0) * 1000.0
         self._lateness_k += 1

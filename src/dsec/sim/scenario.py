@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dsec.decide.pause import SAMPLING_PROGRESS, curve_points
 from dsec.yamlconf import ConfigError, load_file
 
 
@@ -188,7 +189,7 @@ class Efficiency(_Strict):
     # interval 0.69-0.79), 2 of 4: 0.432 (0.39-0.48); less than the share of samples left, since the remaining
     # actors' samples also taught less per sample there. None: the model before (a worker that samples nothing
     # counts 0 in the mean of the group's contributions, as a dropped gradient does).
-    sampling_progress: list[tuple[float, float]] | None = [(0.5, 0.432), (0.75, 0.739)]
+    sampling_progress: list[tuple[float, float]] | None = list(SAMPLING_PROGRESS)  # the product's, as measured
 
     @model_validator(mode="after")
     def _curve(self) -> Efficiency:
@@ -203,10 +204,7 @@ class Efficiency(_Strict):
 
     def sampling_curve(self) -> tuple[list[float], list[float]] | None:
         """The curve's x and y points for ``numpy.interp``, ends included; None for the model before."""
-        if self.sampling_progress is None:
-            return None
-        pts = [(0.0, 0.0), *self.sampling_progress, (1.0, 1.0)]
-        return [x for x, _ in pts], [y for _, y in pts]
+        return None if self.sampling_progress is None else curve_points(self.sampling_progress)
 
 
 class Scenario(_Strict):
