@@ -42,7 +42,6 @@ from dsec.decide import (
     plan_pool_quotas,
     precision_restore,
 )
-from dsec.decide.pause import learner_step_ms
 from dsec.health.fleet import FleetConfig
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool, WorkerState
@@ -295,10 +294,9 @@ class Judge:
                 else:
                     self.latency_floors[pool_name] = v.latency_floor_ms
         self.judged = judged
-        # For the top rung's rule (dsec.decide.pause: what one actor's samples are worth): each pool's active actors,
-        # and its learners' median step time (an actor that steps no optimizer reports none of its own).
-        self.pool_actors = {p: sum(1 for v in ws if v.role == "actor") for p, ws in inputs.by_pool.items()}
-        self.pool_step_ms = {p: learner_step_ms(ws) for p, ws in inputs.by_pool.items()}
+        # For the top rung's rule (dsec.decide.pause), as the pass counted them (off the loop at scale).
+        self.pool_actors = {p: v.actors for p, v in verdicts.items()}
+        self.pool_step_ms = {p: v.learner_step_ms for p, v in verdicts.items()}
         for gone in set(self.latency_floors) - set(inputs.by_pool):  # no active worker: nothing to be safe from
             self.latency_floors.pop(gone, None)
         return events

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from dsec.alerts.model import Severity
 from dsec.decide.caps import latency_signal, safe_latency_floor
+from dsec.decide.pause import learner_step_ms
 from dsec.decide.verdicts import alert_event
 from dsec.decide.views import WorkerView
 from dsec.health.fleet import FleetConfig, FleetReport, Outlier, PeerSample, compare
@@ -23,6 +24,10 @@ class FleetVerdict:
     judged: set[str] = field(default_factory=set)  # workers whose speed could be compared with peers
     slow_pool: bool = False  # most peers over the pool's latency cap at once
     latency_floor_ms: float | None = None  # cap safety: the latency cap in force is at least this (decide.caps)
+    # For the ladder's top rung (decide.pause): the pool's active actors, and its learners' median step time (the
+    # step an actor's lateness holds up; an actor that steps no optimizer reports none of its own).
+    actors: int = 0
+    learner_step_ms: float | None = None
 
 
 def judged_workers(samples: Sequence[PeerSample], report: FleetReport, config: FleetConfig) -> set[str]:
@@ -59,7 +64,11 @@ def judge_pool(
     samples = [PeerSample(w.id, w.role, w.group, w.metrics) for w in workers if w.metrics]
     report = compare(samples, config)
     flagged = report.outliers_by_worker()
-    verdict = FleetVerdict(judged=judged_workers(samples, report, config))
+    verdict = FleetVerdict(
+        judged=judged_workers(samples, report, config),
+        actors=sum(1 for w in workers if w.role == "actor"),
+        learner_step_ms=learner_step_ms(workers),
+    )
     for w in workers:
         before = previous.get(w.id, set())
         if not before and w.id not in flagged:  # the common case: nothing flagged before or now

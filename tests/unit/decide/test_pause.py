@@ -120,3 +120,14 @@ def test_learner_step_ms_is_the_median_over_learners_that_report_one() -> None:
     assert learner_step_ms([v("learner", 500.0), v("actor", 9000.0), v("learner", None), v("learner", True)]) == 500.0
     assert learner_step_ms([v("learner", math.nan), v("learner", 0.0), v("actor", 600.0)]) is None
     assert learner_step_ms([]) is None
+
+
+def test_the_fleet_pass_counts_a_pools_actors_and_its_learners_step() -> None:
+    from dsec.decide import judge_pool
+    from dsec.health.fleet import FleetConfig
+
+    ws = [WorkerView("l", "p", "learner", "g", 0, metrics={"step_ms_mean": 600.0})] + [
+        WorkerView(f"a{i}", "p", "actor", "g", i + 1, metrics={"env_steps_total": 10.0}) for i in range(3)
+    ]
+    v = judge_pool(POOL, "p", ws, {}, False, FleetConfig(), 1.0)
+    assert (v.actors, v.learner_step_ms) == (3, 600.0)
