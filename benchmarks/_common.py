@@ -226,6 +226,16 @@ def wait_healthy(
         time.sleep(poll_s)
 
 
+def dsec_run_env(**extra: str) -> dict[str, str]:
+    """The environment for a ``python -m dsec.cli run`` child: this one without its ``DSEC_*`` settings (the run
+    sets its own), this checkout's ``src`` first on ``PYTHONPATH``, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), *rest])
+    env.update(extra)
+    return env
+
+
 def add_run_record_options(ap: argparse.ArgumentParser) -> None:
     """``--runs-out`` and ``--summarize``: a calibration's run records as JSON lines, so that several sittings' seeds
     can be summarized together (read_run_records / append_run_record)."""

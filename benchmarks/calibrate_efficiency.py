@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -197,10 +196,9 @@ def run_one(admin: Any, url: str, config: str, seed: int, args: argparse.Namespa
     pool = f"cal-{config}-s{seed}-{int(time.time() * 1000) % 10**8}"
     admin.put_pool(pool)
     token = admin.create_token(pool, label="calibrate_efficiency")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
-    src = str(REPO / "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    env.update(
+    from _common import dsec_run_env
+
+    env = dsec_run_env(
         GLOO_SOCKET_IFNAME="lo",
         DSEC_COMPRESSION_BITS=str(bits),
         DSEC_HEARTBEAT_INTERVAL=str(args.heartbeat),

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -151,10 +150,9 @@ def run_one(admin: Any, url: str, config: str, seed: int, args: argparse.Namespa
     pool = f"pause-{config}-s{seed}-{int(time.time() * 1000) % 10**8}"
     admin.put_pool(pool)
     token = admin.create_token(pool, label="calibrate_paused")
-    env = {key: v for key, v in os.environ.items() if not key.startswith("DSEC_")}
-    src = str(REPO / "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    env.update(
+    from _common import dsec_run_env
+
+    env = dsec_run_env(
         DSEC_HEARTBEAT_INTERVAL=str(args.heartbeat),
         DSEC_ROLE_ACTOR_STEPS=str(ACTOR_STEPS_FOR_ROLE),
         PYTHONUNBUFFERED="1",
