@@ -85,8 +85,8 @@ def _pause_actor(run: DemoRun) -> bool:
     if actor is None or steps is None:
         return False  # not yet inferred an actor: a pause applies to actors only
     if "id" not in st:
-        d = run.client.set_directive(actor["id"], async_sampling=False)
-        st.update(id=actor["id"], version=d["desired_version"])
+        run.client.set_directive(actor["id"], async_sampling=False)
+        st["id"] = actor["id"]
         return False
     if "held_from" not in st:
         if actor["metrics"].get("async_sampling") == 0:  # the probe reports the pause in force
