@@ -242,6 +242,35 @@ def test_a_killed_actor_is_a_lost_worker_and_takes_its_command_along(launcher: R
     assert launcher.poll() == []  # its peer runs on
 
 
+def test_a_command_killed_by_a_signal_is_reported_with_it_while_its_actor_lives(launcher: RayLauncher) -> None:
+    job = JobSpec("j6", (group("g", ("w0", "learner"), ("w1", "actor")),))
+    launcher.start(launches(place(job, inventory()), SLEEP.format(s=60)))
+    info = launcher.details()["w0"]
+    wait_running(info["pid"])
+    os.kill(info["pid"], signal.SIGKILL)  # the command alone, as the kernel's OOM killer would
+    seen = poll_until(launcher, {"w0"}, timeout=15)
+    assert seen["w0"].code == -signal.SIGKILL and launcher.details()["w0"]["error"] == ""
+    assert launcher.poll() == []
+
+
+def test_a_signal_status_from_an_actor_that_dies_right_after_is_a_lost_worker(launcher: RayLauncher) -> None:
+    # What a node crash can look like: its command is killed a moment before its actor, and the actor hands back the
+    # signal status before it dies itself. The launcher must not report that as the command's own crash.
+    job = JobSpec("j7", (group("g", ("w0", "learner"), ("w1", "actor")),))
+    launcher.start(launches(place(job, inventory()), SLEEP.format(s=60)))
+    info = launcher.details()["w0"]
+    wait_running(info["pid"])
+    (running,) = [r for g in launcher._groups.values() for r in g.workers if r.launch.worker == "w0"]
+    os.kill(info["pid"], signal.SIGKILL)
+    ready, _ = ray.wait([running.run_ref], timeout=15)  # the actor answered -9 ...
+    assert ready and ray.get(running.run_ref) == -signal.SIGKILL
+    os.kill(info["actor_pid"], signal.SIGKILL)  # ... and then died, before the launcher polled
+    assert wait_gone(info["actor_pid"], timeout=10)
+    seen = poll_until(launcher, {"w0"}, timeout=30)
+    assert seen["w0"].code is None and "ActorDiedError" in launcher.details()["w0"]["error"]
+    assert launcher.poll() == []
+
+
 def test_a_group_that_cannot_be_placed_raises_naming_it(cluster: FakeCluster) -> None:
     # Placement gives up after 1 s; the placeable group's actors may take longer to start on a busy machine (they
     # once took more than 1 s in a full run, and the test failed on the wrong group).

@@ -21,7 +21,8 @@ session, so stopping it reaches its children) with ``worker.env`` plus ``CUDA_VI
 shim that asks the kernel to SIGKILL it when the actor process dies (``PR_SET_PDEATHSIG``, Linux) — when a node's
 raylet goes away its actors die, and their commands must not live on holding GPUs. The actor's ``run()`` answers
 the exit status; :meth:`RayLauncher.poll` watches those futures with ``ray.wait(..., timeout=0)``: an exit status
-becomes ``Exit(code=status)``, a dead actor (node removed, actor process killed: ``ActorDiedError``) becomes
+becomes ``Exit(code=status)`` (a signal status only once the actor answers a ping: a node going down can kill
+the command a moment before its actor), a dead actor (node removed, actor process killed: ``ActorDiedError``) becomes
 ``Exit(code=None)``. ``ActorUnavailableError`` is not taken for a death: a node whose raylet stops answering first
 makes its actors *unavailable* until the GCS declares the node dead (health checks: 5 x 3 s by default); meanwhile
 :meth:`~RayLauncher.poll` re-attaches to the command (the actor's ``wait()``) once a second, and only counts the
@@ -59,6 +60,9 @@ class _Running:
     error: str = ""
     unavailable_since: float = 0.0  # time.monotonic() of the first ActorUnavailableError (0: none)
     reattach_at: float = 0.0
+    # A command killed by a signal is only reported once its actor answered a ping: ``killed`` holds its status
+    # meanwhile and ``run_ref`` the ping (see RayLauncher.poll).
+    killed: int | None = None
 
 
 @dataclass
@@ -211,13 +215,19 @@ class RayLauncher:
         ``ActorUnavailableError`` is not (Ray: "temporarily unavailable", e.g. its raylet stopped answering before
         the GCS declares the node dead): the launcher re-attaches to the command (``wait()``) at most once per
         ``reattach_s`` until the actor answers or is declared dead, and gives up (``code=None``) after
-        ``unavailable_s``."""
+        ``unavailable_s``.
+
+        A command killed by a signal (negative status) is reported only after its actor answers a ping: when a node
+        goes down, its commands can be killed a moment before their actors, and an actor may still hand back the
+        signal status before it dies itself. Taken as it comes, that node loss would read as a crash of the command
+        (``code=-9``) with the node still counted alive; the ping fails on a dead node, and the worker is reported
+        lost (``code=None``) with Ray's reason, as its peers on that node are."""
         import ray
 
         now = time.monotonic()
         for r in self._pending():
             if r.run_ref is None and now >= r.reattach_at:
-                r.run_ref = r.actor.wait.remote()
+                r.run_ref = (r.actor.node_ip if r.killed is not None else r.actor.wait).remote()
         watched = [r for r in self._pending() if r.run_ref is not None]
         if not watched:
             return []
@@ -230,7 +240,7 @@ class RayLauncher:
                 continue
             code: int | None
             try:
-                code = int(ray.get(r.run_ref, timeout=0))
+                answer = ray.get(r.run_ref, timeout=0)
             except ray.exceptions.ActorUnavailableError as e:
                 r.error = _describe(e)
                 r.unavailable_since = r.unavailable_since or now
@@ -241,6 +251,11 @@ class RayLauncher:
             except ray.exceptions.RayError as e:  # ActorDiedError (node gone, actor killed), worker crash, ...
                 code = None
                 r.error = _describe(e)
+            else:
+                if r.killed is None and int(answer) < 0:  # killed by a signal: is its actor (its node) still there?
+                    r.killed, r.run_ref = int(answer), r.actor.node_ip.remote()
+                    continue
+                code = r.killed if r.killed is not None else int(answer)
             r.reported = True
             exits.append(Exit(r.launch.worker, r.launch.group, code, time.time()))
         return exits
