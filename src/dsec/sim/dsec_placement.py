@@ -43,6 +43,7 @@ class PlacementPass(Regime):
 
     sc: Scenario
     degraded: np.ndarray
+    room_until: np.ndarray
     health_by_name: dict[str, DeviceHealth]
     card_names: list[str]
     slot_devices: list[Device]
@@ -78,7 +79,8 @@ class PlacementPass(Regime):
         if len(free) < len(workers):
             return None
         cards = free // lay.workers_per_gpu
-        placeable = free[~self.degraded[cards]]
+        # Degraded cards take nobody, nor do cards holding room made for a burst (dsec.quota.room) while it lasts.
+        placeable = free[~self.degraded[cards] & ~(self.room_until[cards] > t)]
         if len(placeable) < len(workers):
             return None
         node_of = placeable // lay.workers_per_gpu // lay.gpus_per_node

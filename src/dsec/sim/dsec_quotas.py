@@ -14,7 +14,16 @@ import numpy as np
 
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.quota.relief import CardWorker, relief
-from dsec.quota.trend import AT_CEILING_GB, BURST_RAMP_GB_PER_S, burst_at_risk, bursting, drainable, observe_arrays
+from dsec.quota.room import CardMate, make_room
+from dsec.quota.trend import (
+    AT_CEILING_GB,
+    BURST_HOLD_S,
+    BURST_RAMP_GB_PER_S,
+    burst_at_risk,
+    bursting,
+    drainable,
+    observe_arrays,
+)
 from dsec.sim.regimes import Regime, largest_first
 from dsec.sim.scenario import Scenario
 
@@ -31,7 +40,11 @@ class QuotaPass(Regime):
     knobs: dict[tuple[str, str], float | None]
     pool_names: list[str]
     relieved: np.ndarray
+    degraded: np.ndarray
     _set_accum: Callable[[int], None]  # BreakerPass's: the breaker's and relief's accumulation merged
+
+    def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
+        raise NotImplementedError
 
     def _attach_quotas(self, sim: Simulation) -> None:
         sc, lay = self.sc, sim.layout
@@ -54,6 +67,8 @@ class QuotaPass(Regime):
         self.burst_saved = np.full(sim.N, np.nan)
         self.plan_ramp = np.full(sim.N, -1.0)
         self.plan_peak = np.full(sim.N, -1.0)
+        # Until when each card keeps the room made on it for a burst (dsec.quota.room): placement puts nobody there.
+        self.room_until = np.full(lay.cards, -math.inf)
 
     def _ooms(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         sim = self.sim
@@ -260,3 +275,43 @@ class QuotaPass(Regime):
                 self.relieved[int(wid)] = held
                 self._set_accum(int(wid))
             self.counts["memory_relief"] += len(out.relieve)
+
+    def _make_room(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
+        """``dsec.quota.room.make_room`` for the cards whose projected usage may overflow them before the next sample
+        (a vectorized pre-filter, loose by a rounding margin: the rule checks again); the worker it names moves alone
+        to another card (``recover_alone``, cause ``make_room``: the supervisor's move of an actor, with the card it
+        leaves excluded), at once: its memory leaves the card before the next sample."""
+        sim = self.sim
+        if not self.sc.dsec.restart_actors_alone:
+            return
+        cap, horizon = self.sc.cluster.gpu_memory_gb, self.sc.sample_interval_s
+        ramp = self.trend[2]
+        card = sim.slot_of[run] // sim.layout.workers_per_gpu
+        projected = np.bincount(
+            card, weights=mem[run] + np.maximum(ramp[run], 0.0) * horizon, minlength=sim.layout.cards
+        )
+        look = np.flatnonzero(projected > cap - 1e-6)
+        if not len(look):
+            return
+        burst = bursting(self.trend[5], t)
+        for c in look.tolist():
+            ws = run[card == c].tolist()
+            mates = [
+                CardMate(str(w), float(mem[w]), float(ramp[w]),
+                         bool(not sim.is_learner[w] and not burst[w] and not sim.absent[w]),
+                         bool(sim.is_learner[w]) or self.sc.dsec.make_room_for == "all")
+                for w in ws
+            ]  # fmt: skip
+            chosen = make_room(cap, mates, horizon)
+            if chosen is None:
+                continue
+            w = int(chosen)
+            was = bool(self.degraded[c])
+            self.degraded[c] = True  # placement's allowed devices leave this card out, as the supervisor's would
+            try:
+                moved = self.recover_alone(int(sim.group_of[w]), t, "make_room", [w])
+            finally:
+                self.degraded[c] = was
+            self.counts["make_room" if moved else "make_room_nowhere"] += 1
+            if moved:  # the room is kept for the burst (its hold): placement must not fill it again meanwhile
+                self.room_until[c] = t + BURST_HOLD_S

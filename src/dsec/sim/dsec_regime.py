@@ -123,7 +123,7 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         # restarts only the moved workers of a ``restart_scope: worker`` group, each from its own snapshot).
         # (Only from a running group, of actors not already restarting alone: else the group moves as a whole.)
         moving_actors = (
-            cause == "migration"
+            cause in ("migration", "make_room")
             and sim.status[g] == RUN
             and not bool(sim.is_learner[victims].any() or sim.absent[victims].any())
         )
@@ -148,6 +148,11 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
         # another card of the node for the new process at no extra cost.
         gone = sim.card_off | self.degraded
         moved = any(gone[slot // per_card] for slot in old.values())
+        if cause == "make_room":  # the old card is healthy: a move costs a reschedule only to another node
+            lay = sim.layout
+            moved = any(
+                lay.node_of_card(old[w] // per_card) != lay.node_of_card(s // per_card) for w, s in chosen.items()
+            )
         for w in victims:
             self._reset_worker(w)
         recovery = (d.restart_reschedule_s if moved else d.restart_s) + (d.snapshot_cost_s if moving_actors else 0.0)
@@ -234,6 +239,9 @@ class DsecRegime(PlacementPass, DeviceHealthPass, QuotaPass, BreakerPass):
             if self.sc.dsec.quotas or self.sc.dsec.burst_snapshots:
                 self._observe_trends(t, run, mem)
             if self.sc.dsec.quotas:
+                if self.sc.dsec.make_room:  # before the plan: the limits it issues count the room made
+                    self._make_room(t, run, mem)
+                    run = self.running_workers()
                 self._quotas(t, run, mem)
                 if self.sc.dsec.memory_relief:
                     self._relief(t, run, mem)

@@ -155,6 +155,13 @@ class Dsec(_Strict):
     # A design study, not what the control plane does yet (dsec.quota.relief): accumulation for the steepest-ramping
     # worker of a card whose projected usage overflows it, until its burst is over.
     memory_relief: bool = False
+    # A design study, not what the control plane does yet (dsec.quota.room): an actor moves alone off a card that a
+    # burst is about to fill (projected over the next sample), before anyone's allocation fails.
+    make_room: bool = False
+    # Which cards get room: ``learners`` — a card holding a worker whose failure restarts its group (the rule's
+    # ``restarts_group``: a learner); ``all`` — every card (an actor's OOM costs about what its move does: measured,
+    # docs/benchmarks.md "Room for a burst").
+    make_room_for: Literal["learners", "all"] = "learners"
     # Per-worker restarts of actors (restart_scope: worker, the launcher's default for actor groups): a failed actor
     # restarts alone (restart_s on a warm standby, restart_reschedule_s when placement moves it), nothing rolls back.
     # False: every failure restarts the group from its snapshot (the simulator before 2026-12-03).

@@ -525,6 +525,38 @@ def test_a_learner_oom_its_burst_snapshot_covered_does_not_shorten_the_snapshot_
     assert foreseen_on >= 2 and kept_on == kept_off - foreseen_on
 
 
+def test_room_made_for_bursts_gives_fewer_ooms_than_no_quotas_and_spares_the_learners() -> None:
+    """The design study dsec.quota.room: an actor moves alone off a card that a burst is about to fill while the
+    card holds a learner (whose failure restarts its group). Same bursts three ways: quotas as shipped, quotas with
+    room made, no quotas. Without the move, quotas fail as many workers as no quotas do (bursts fill cards: no limit
+    prevents that), and the learners among them."""
+    ooms, learners = {}, {}
+    for name, kw in (("shipped", {}), ("room", {"make_room": True}), ("none", {"quotas": False})):
+        _, outcome = run_one(bursty(**kw), "dsec")
+        failed = [i for i in outcome.interruptions if i.cause == "oom"]
+        ooms[name], learners[name] = sum(i.workers for i in failed), sum(1 for i in failed if i.learners)
+        moves = outcome.decisions.get("make_room", 0)
+        assert (moves > 0) == (name == "room"), (name, moves)
+        assert moves == outcome.decisions.get("restart_alone:make_room", 0)  # an actor moved alone, nothing rolled back
+    assert ooms["room"] < min(ooms["shipped"], ooms["none"]), ooms
+    assert learners["room"] < min(learners["shipped"], learners["none"]), learners
+
+
+def test_room_made_on_a_card_is_kept_from_placement_while_the_burst_lasts() -> None:
+    r, sim = _running(bursty(make_room=True))
+    lay = sim.layout
+    card = int(sim.slot_of[0]) // lay.workers_per_gpu  # group 0's learner's card
+    actor = next(
+        int(w) for w in sim.workers_of(0) if not sim.is_learner[w] and sim.slot_of[w] // lay.workers_per_gpu == card
+    )
+    r.degraded[:] = True
+    r.degraded[card] = False  # the only card placement may use: the actor's own, whose slot choose_elsewhere frees
+    r.room_until[card] = 100.0  # room made there for a burst, held until t = 100
+    assert r.choose_elsewhere(0, [actor], 50.0) is None
+    chosen = r.choose_elsewhere(0, [actor], 150.0)  # the hold is over
+    assert chosen is not None and chosen[actor] // lay.workers_per_gpu == card
+
+
 @pytest.mark.slow  # ~12 s; memory relief is a design study the control plane does not run
 def test_memory_relief_turns_card_filling_bursts_into_accumulation_instead_of_ooms() -> None:
     # The design study (dsec.quota.relief) on the scenario its figures come from (rl-128: four 14 GB workers per
