@@ -671,3 +671,50 @@ def test_an_actor_is_paused_only_when_its_lateness_outweighs_its_samples(
     d3 = slow_actor.beat_until(very_late, lambda a: a["directive"] is not None, timeout=5, what="level 3")
     assert d3["directive"]["async_sampling"] is False
     assert api_worker(h, slow_actor.id)["breaker"]["level"] == 3
+
+
+def test_a_burst_about_to_fill_a_learners_card_moves_an_actor_off_it_and_placement_keeps_the_room(
+    server_factory: Callable[..., Harness], tmp_path: Path
+) -> None:
+    # Three process slots of one 8 GB card: a learner bursting on card0-a beside two actors (2.0 and 2.5 GB); gpu-1
+    # is a card of its own. The control plane asks for the larger actor to move (a quota event of kind make_room,
+    # which the launcher's supervisor acts on: tests/integration/test_launch_local.py), once; until the burst's hold
+    # is over, placement puts no new worker on card0.
+    h = start(server_factory, tmp_path / "room", JudgeConfig(quota_interval_s=0.1))
+    for dev, card in (("card0-a", "card0"), ("card0-b", "card0"), ("card0-c", "card0"), ("gpu-1", None)):
+        h.admin.request("PUT", f"/v1/devices/{dev}", json={"id": dev, "node": "node-0", "memory_gb": 8.0, "card": card})
+    h.admin.put_pool("pool-r", devices=["card0-a", "card0-b", "card0-c", "gpu-1"], memory_base_gb=2,
+                     memory_ceiling_gb=4)  # fmt: skip
+    token = h.admin.create_token("pool-r")
+    learner, small, large = (
+        Beater(h, h.register("pool-r", token=token, role=role, rank=i, device=dev))
+        for i, (role, dev) in enumerate((("learner", "card0-a"), ("actor", "card0-b"), ("actor", "card0-c")))
+    )
+
+    def rooms() -> list[dict[str, Any]]:
+        return [e for e in events_of(h, None, "quota") if e["data"].get("kind") == "make_room"]
+
+    used = 2.0
+    deadline = time.monotonic() + 10
+    while not rooms() and time.monotonic() < deadline:
+        used = min(3.9, used + 0.3)  # a burst: ~3 GB/s; the card holds 2 + 2.5 + 2.3 = 6.8 GB, then 7.1, ...
+        learner.beat({"memory_used_gb": used})
+        small.beat({"memory_used_gb": 2.0})
+        large.beat({"memory_used_gb": 2.5})
+        time.sleep(BEAT_S)
+    (room,) = rooms()
+    assert room["worker_id"] == large.id and room["pool"] == "pool-r"
+    data = room["data"]
+    assert (data["card"], data["device"], data["bursting"]) == ("card0", "card0-c", [learner.id])
+    assert data["projected_gb"] > 8.0 and data["until"] > time.time() and "moves off it" in data["reason"]
+    # The card keeps the room: a new worker goes to gpu-1, and card0's slots say why they were left out.
+    job = {"name": "j", "pool": "pool-r", "groups": [{"name": "g", "workers": [{"name": "a", "memory_gb": 1}]}]}
+    p = h.admin.place(job)
+    assert p["assignments"][0]["device"] == "gpu-1"
+    assert "keeps room for a memory burst" in p["excluded"]["card0-c"]
+    h.admin.release_placement("j")
+    # Asked once per hold, however long the burst goes on.
+    for _ in range(5):
+        learner.beat({"memory_used_gb": 3.9})
+        time.sleep(BEAT_S)
+    assert len(rooms()) == 1

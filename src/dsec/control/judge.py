@@ -68,6 +68,9 @@ class JudgeConfig:
     # The breaker's memory cap as a fraction of the memory ceiling; None: memory is not judged by the breaker
     # (dsec.decide.caps_for says why that is the default). DSEC_MEMORY_PRESSURE sets it for `dsec serve`.
     memory_pressure: float | None = None
+    # Room for a burst (dsec.quota.room): an actor moves off a card that a burst will fill, if that card holds a
+    # learner. DSEC_MAKE_ROOM=0 turns it off for `dsec serve`.
+    make_room: bool = True
 
     def __post_init__(self) -> None:
         p = self.memory_pressure
@@ -247,6 +250,7 @@ class Judge:
             trends=self.memory_trends,
             config=self.config,
             quota_memo=self.quota_memo,
+            room_held=dict(self.state.room_until) if quota_due and self.config.make_room else None,
         )
 
     def finish_periodic(self, inputs: PeriodicInputs, result: PeriodicResult) -> tuple[list[Change], list[Event]]:
@@ -256,10 +260,24 @@ class Judge:
         if inputs.fleet_due:
             events += self._take_fleet(inputs, result.fleet)
         if inputs.quota_due:
-            self.memory_trends = result.trends
+            # A worker lost for a moment (a process that stalled past its beats) keeps its trend: it comes back with
+            # its ramp and peak, not as a newcomer with none (mid-burst, that hid the burst from the next plans).
+            # A deregistered or forgotten worker's trend goes.
+            lost = WorkerState.LOST
+            kept = {
+                wid: t
+                for wid, t in self.memory_trends.items()
+                if wid not in result.trends and (w := self.state.workers.get(wid)) is not None and w.state is lost
+            }
+            self.memory_trends = {**kept, **result.trends} if kept else result.trends
             for name, v in result.quotas.items():
                 self.pool_memory[name] = v.accounting
                 changes += v.changes
+                for room in v.rooms:  # placement keeps the card free meanwhile; the launcher moves the actor
+                    self.state.room_until[room.card] = room.until
+                    events.append(room.event)
+            for card in [c for c, until in self.state.room_until.items() if until <= inputs.now]:
+                del self.state.room_until[card]
         # Only guards with a fallback in force have anything to restore (one per worker exists: skip the rest first).
         for wid, guard in [(wid, g) for wid, g in self.guards.items() if g.original is not None]:
             w = self.state.workers.get(wid)
@@ -349,6 +367,7 @@ class PeriodicInputs:
     trends: Mapping[str, MemoryTrend]
     config: JudgeConfig
     quota_memo: dict[str, CardMemo] = field(default_factory=dict)  # the judge's, mutated by run (see Judge)
+    room_held: dict[str, float] | None = None  # card -> until when room made on it is held (None: no room made)
 
     @property
     def workers(self) -> int:
@@ -371,7 +390,7 @@ class PeriodicInputs:
             ws = self.by_pool.get(name, [])
             memo = self.quota_memo.setdefault(name, {})
             quotas[name] = plan_pool_quotas(pool, capacity, ws, c.quota, now, trends=trends, device_gb=device_gb,
-                                            cards=self.cards, memo=memo)  # fmt: skip
+                                            cards=self.cards, memo=memo, room_held=self.room_held)  # fmt: skip
         for gone in set(self.quota_memo) - set(self.pools):
             del self.quota_memo[gone]
         return PeriodicResult(fleet, trends, quotas)

@@ -120,6 +120,7 @@ class Scheduler:
             allowed=allowed,
             gpu_quota=pool.gpu_quota if pool is not None else None,
             busy=busy,
+            held=self._room_held(job),
         )
         if complete_only and not placement.complete:
             return placement
@@ -137,6 +138,21 @@ class Scheduler:
         await self.events.commit(WriteBatch(placements=[row], events=[ev]))
         self.placements[job.name] = placement
         return placement
+
+    def _room_held(self, job: JobSpec) -> dict[str, str]:
+        """The devices of cards holding room made for a burst (``HotState.room_until``, dsec.quota.room), with why:
+        no new worker goes there while the burst lasts. A worker of ``job`` pinned to its device keeps it (the learner
+        whose burst it is, its card-mates that stay)."""
+        now = self.clock()
+        held = {card: until for card, until in self.state.room_until.items() if until > now}
+        if not held:
+            return {}
+        pinned = {w.device for g in job.groups for w in g.workers if w.device is not None}
+        return {
+            d.id: f"card {d.card_id} keeps room for a memory burst for {held[d.card_id] - now:.0f} s more"
+            for d in self.state.devices.values()
+            if d.card_id in held and d.id not in pinned
+        }
 
     async def release(self, job: str) -> bool:
         async with self._placing:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -186,6 +187,12 @@ class Settings:
                 ) from None
         if "judge" not in overrides and os.environ.get("DSEC_MEMORY_PRESSURE"):
             overrides["judge"] = _judge_with_memory_pressure(os.environ["DSEC_MEMORY_PRESSURE"])
+        if os.environ.get("DSEC_MAKE_ROOM") and not _truthy(os.environ["DSEC_MAKE_ROOM"]):
+            from dsec.control.judge import JudgeConfig
+
+            judge = overrides.get("judge")
+            base = judge if isinstance(judge, JudgeConfig) else JudgeConfig()
+            overrides["judge"] = dataclasses.replace(base, make_room=False)
         if "plots_dir" not in overrides:
             from dsec.plots import plots_dir
 

@@ -14,13 +14,33 @@ from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool
 from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig, QuotaPlan, WorkerMemory, plan
-from dsec.quota.trend import PEAK_HOLD_S, observe_arrays
+from dsec.quota.room import CardMate, make_room
+from dsec.quota.trend import BURST_HOLD_S, BURST_RAMP_GB_PER_S, PEAK_HOLD_S, observe_arrays
+
+#: How far ahead a card's usage is projected for room (dsec.quota.room): until the next chance to act — the next quota
+#: pass (2 s) — plus the time the move takes to free the card (the supervisor's poll, the actor's stop): ~5 s, the
+#: simulator's sample interval, which is what its figures were measured with.
+ROOM_HORIZON_S = 5.0
+
+
+@dataclass(frozen=True)
+class RoomRequest:
+    """Room made on ``card`` for a burst: ``worker_id`` (an actor, on ``device``) is to move off it alone; the card
+    takes no new worker until ``until``. ``event`` records it (a ``quota`` event of kind ``make_room``), and the
+    launcher's supervisor acts on that event."""
+
+    card: str
+    worker_id: str
+    device: str
+    until: float
+    event: Event
 
 
 @dataclass
 class QuotaVerdict:
     accounting: PoolMemory
     changes: list[Change] = field(default_factory=list)
+    rooms: list[RoomRequest] = field(default_factory=list)
 
 
 def observe_memory(
@@ -73,6 +93,7 @@ def plan_pool_quotas(
     device_gb: float | None = None,
     cards: Mapping[str, tuple[str, float]] | None = None,
     memo: CardMemo | None = None,
+    room_held: Mapping[str, float] | None = None,
 ) -> QuotaVerdict:
     """Grow/reclaim the memory grants of ``pool``'s active ``workers`` and issue their allocator limits; one
     ``quota`` event per worker whose grant or limit changes, with the pool's accounting after it. ``trends``: each
@@ -89,7 +110,11 @@ def plan_pool_quotas(
     ``memo``: the pool's cards' last plans (the caller keeps it between calls; this call replaces its contents with
     this pass's). A card whose inputs are those of its last plan, and whose last plan changed nothing, is not planned
     again: ``quota.plan`` is pure, so it would change nothing again. At 10,000 workers one per card, planning every
-    card took ~200 ms a pass in-process."""
+    card took ~200 ms a pass in-process.
+
+    ``room_held``: card -> until when room made on it is held (None: room for bursts is not made). A card of known
+    memory that holds no such room and that a burst will fill within ``ROOM_HORIZON_S`` gets a :class:`RoomRequest`
+    (``dsec.quota.room``: the largest actor not bursting itself moves off a card that holds a learner)."""
     trends = trends or {}
     cards = cards or {}
     by_card: dict[str, list[WorkerView]] = {}
@@ -133,6 +158,10 @@ def plan_pool_quotas(
     accounting = _pool_accounting(capacity_gb, [p for _, p, _ in parts]) if by_card else parts[0][1].accounting
     verdict = QuotaVerdict(accounting)
     pool_memory = accounting.to_dict()
+    if room_held is not None:
+        for c, ws in by_card.items():
+            if room_held.get(c, -math.inf) <= now and (room := _room(pool, c, card_gb[c], ws, trends, now)):
+                verdict.rooms.append(room)
     for ws, result, card in parts:
         changed = sorted(set(result.changes) | set(result.limit_changes))
         if not changed:
@@ -158,6 +187,39 @@ def plan_pool_quotas(
             ev = Event(ts=now, type=EventType.QUOTA, worker_id=wid, pool=pool.name, data=data)
             verdict.changes.append(Change(wid, patch, "quota", [ev]))
     return verdict
+
+
+def _room(
+    pool: Pool, card: str, card_gb: float, ws: Sequence[WorkerView], trends: Mapping[str, MemoryTrend], now: float
+) -> RoomRequest | None:
+    """``dsec.quota.room.make_room`` for one card's workers (an actor is movable: its group restarts it alone, the
+    launcher's default for actor groups; a learner's failure restarts its group)."""
+    mates = []
+    for w in ws:
+        trend = trends.get(w.id)
+        bursting = trend.bursting(now) if trend else False
+        ramp = trend.ramp_gb_per_s if trend else 0.0
+        used = finite(w.metrics, "memory_used_gb") or 0.0
+        mates.append(CardMate(w.id, used, ramp, w.role == "actor" and not bursting, w.role == "learner"))
+    chosen = make_room(card_gb, mates, ROOM_HORIZON_S)
+    if chosen is None:
+        return None
+    moved = next(w for w in ws if w.id == chosen)
+    until = now + BURST_HOLD_S
+    projected = math.fsum(m.used_gb + max(m.ramp_gb_per_s, 0.0) * ROOM_HORIZON_S for m in mates)
+    data: dict[str, object] = {
+        "kind": "make_room",
+        "card": card,
+        "device": moved.device,
+        "card_gb": card_gb,
+        "projected_gb": round(projected, 3),
+        "bursting": sorted(m.worker_id for m in mates if m.ramp_gb_per_s >= BURST_RAMP_GB_PER_S),
+        "until": until,
+        "reason": f"a burst will fill card {card} ({projected:.1f} of {card_gb:g} GB within {ROOM_HORIZON_S:g} s): "
+        f"{moved.agent} moves off it",
+    }
+    ev = Event(ts=now, type=EventType.QUOTA, worker_id=chosen, pool=pool.name, data=data)
+    return RoomRequest(card, chosen, str(moved.device), until, ev)
 
 
 def _member_row(

@@ -47,6 +47,9 @@ __all__ = ["Recovery", "Supervisor", "free_port", "place_job"]
 log = logging.getLogger(__name__)
 
 MOVE = "degraded-device"  # the reason of a recovery that moves workers off a degraded device (not a failure)
+#: How far back the room requests are read (their times are the control plane's clock; requests are deduplicated by id).
+ROOM_LOOKBACK_S = 60.0
+ROOM = "make-room"  # the reason of a recovery that moves an actor off a card a burst is about to fill (not a failure)
 
 
 class Supervisor:
@@ -99,6 +102,9 @@ class Supervisor:
         self.rollbacks: dict[str, int] = {g.name: 0 for g in job.groups}
         self._last_poll = time.time()
         self._last_device_check = 0.0
+        # Room for bursts (dsec.quota.room): the requests already seen, and from when to read them.
+        self._room_seen: set[int] = set()
+        self._room_since = time.time() - ROOM_LOOKBACK_S
 
     # -- placement and start ----------------------------------------------------------------------------------
     def _place(self, pins: dict[str, str] | None = None) -> dict[str, Any]:
@@ -189,6 +195,7 @@ class Supervisor:
                 if now - self._last_device_check >= self.device_check_s:
                     self._last_device_check = now
                     self._check_devices()
+                    self._check_room()
             except ClientError as exc:
                 # The control plane restarting must not take the supervisor (and its job) down: try again later.
                 log.warning("supervisor: control plane request failed (%s); retrying", exc)
@@ -379,7 +386,7 @@ class Supervisor:
         """Give ``group`` up when it has used its restarts (heals count); else count this one. A move off a
         degraded device is not a failure of the job and is not counted: a group that had used its restarts was
         given up — stopped for good — when the control plane moved it off a device."""
-        if reason == MOVE:
+        if reason in (MOVE, ROOM):
             return False
         if self.restarts[group] >= self.job.restart.max_restarts:
             self.failed[group] = f"{worker} exited with {code}; {self.restarts[group]} restarts already"
@@ -496,6 +503,51 @@ class Supervisor:
             tried = self._unmovable.get(g.name)
             if bad and (tried is None or tried[0] != bad or time.time() - tried[1] >= self.unmovable_retry_s):
                 self._migrate(g.name, bad)
+
+    # -- room for a burst ----------------------------------------------------------------------------------------
+    def _check_room(self) -> None:
+        """Room for a burst (dsec.quota.room): the control plane asks for an actor to move off a card that a burst is
+        about to fill (a ``quota`` event of kind ``make_room`` naming the actor's device; the card takes no new worker
+        while the burst lasts). An actor of this job on that device, in a ``restart_scope: worker`` group, moves
+        alone (:meth:`_make_room`). A group restarted whole is left where it is: stopping every worker of it costs
+        more than the OOM the move may avoid."""
+        events = self.client.all_events(types=["quota"], pool=self.job.pool, since=self._room_since)
+        on = {a["device"]: a["worker"] for a in self.placement.get("assignments", [])}
+        for ev in events:
+            self._room_since = max(self._room_since, float(ev["ts"]) - ROOM_LOOKBACK_S)
+            data = ev.get("data") or {}
+            if ev["id"] in self._room_seen or data.get("kind") != "make_room":
+                continue
+            self._room_seen.add(ev["id"])
+            worker = on.get(str(data.get("device")))
+            if worker is None:
+                continue
+            group = worker.rsplit("-", 1)[0]
+            g = self._group(group)
+            busy = group in self._pending or group in self.failed or worker in self._restarting
+            single = self.launcher.starts_single_workers and getattr(self.launcher, "stop_workers", None) is not None
+            if g.role != "actor" or g.scope != "worker" or not single or busy or g.name in self.runs:
+                log.info("group %s: %s is asked to make room on card %s; it stays (%s)", group, worker,
+                         data.get("card"), "busy" if busy else "its group restarts whole")  # fmt: skip
+                continue
+            self._make_room(group, worker, str(data.get("card")))
+
+    def _make_room(self, group: str, worker: str, card: str) -> None:
+        """Move ``worker`` (an actor of a ``restart_scope: worker`` group) alone off its card: place the job again
+        with every other worker pinned where it runs, then stop it and start it at its new device. Nowhere to go: it
+        stays (the burst may still fit; if not, the allocation fails as it would have)."""
+        current = {a["worker"]: a["device"] for a in self.placement.get("assignments", [])}
+        try:
+            placement = self._place({w: d for w, d in current.items() if w != worker})
+        except RuntimeError as exc:
+            log.warning("group %s: no room elsewhere for %s, it stays on card %s: %s", group, worker, card, exc)
+            return
+        self.placement = placement
+        log.info("group %s: %s moves off card %s to make room for a burst", group, worker, card)
+        pids: dict[str, int] = getattr(self.launcher, "pids", lambda _g: {})(group)
+        self.launcher.stop_workers([worker])  # type: ignore[attr-defined]
+        self._live.get(group, set()).discard(worker)
+        self._restart_worker(Exit(worker, group, None, time.time(), pids.get(worker)), 0.0, ROOM)
 
     def _migrate(self, group: str, bad: list[str]) -> None:
         """Move a group's workers off degraded devices: place the job again with every worker not on a degraded

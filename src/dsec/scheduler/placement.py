@@ -208,8 +208,10 @@ def place(
     used_memory_gb: Mapping[str, float] | None = None,
     busy: set[str] | None = None,
     weights: Weights = Weights(),
+    held: Mapping[str, str] | None = None,
 ) -> Placement:
-    """Place ``job``; ``allowed`` = the pool's devices (None: all), ``busy`` = devices already running workers."""
+    """Place ``job``; ``allowed`` = the pool's devices (None: all), ``busy`` = devices already running workers,
+    ``held`` = devices kept free for now (device -> why; a worker pinned to one keeps it)."""
     profiles = profiles or Profiles()
     used = dict(used_memory_gb or {})
     busy = set(busy or ())
@@ -221,6 +223,8 @@ def place(
             excluded[dev.id] = f"device is {dev.health.value}"
         elif dev.id in busy:
             excluded[dev.id] = "already runs a worker"
+        elif held and dev.id in held:
+            excluded[dev.id] = held[dev.id]
         elif inventory.signals.get(dev.id) is not None and inventory.signals[dev.id].alarming:
             excluded[dev.id] = "NVML reports throttling or uncorrected ECC errors"
     unplaced: dict[str, str] = {}

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dsec.decide.quotas import ROOM_HORIZON_S
 from dsec.quota.elastic import QuotaConfig, WorkerMemory, plan
 from dsec.quota.relief import CardWorker, relief
 from dsec.quota.room import CardMate, make_room
@@ -284,13 +285,14 @@ class QuotaPass(Regime):
         sim = self.sim
         if not self.sc.dsec.restart_actors_alone:
             return
-        cap, horizon = self.sc.cluster.gpu_memory_gb, self.sc.sample_interval_s
+        cap, horizon = self.sc.cluster.gpu_memory_gb, ROOM_HORIZON_S
         ramp = self.trend[2]
         card = sim.slot_of[run] // sim.layout.workers_per_gpu
         projected = np.bincount(
             card, weights=mem[run] + np.maximum(ramp[run], 0.0) * horizon, minlength=sim.layout.cards
         )
-        look = np.flatnonzero(projected > cap - 1e-6)
+        # A card holding room already gets no second request while it lasts (the control plane's rule too).
+        look = np.flatnonzero((projected > cap - 1e-6) & ~(self.room_until > t))
         if not len(look):
             return
         burst = bursting(self.trend[5], t)
@@ -313,5 +315,6 @@ class QuotaPass(Regime):
             finally:
                 self.degraded[c] = was
             self.counts["make_room" if moved else "make_room_nowhere"] += 1
-            if moved:  # the room is kept for the burst (its hold): placement must not fill it again meanwhile
-                self.room_until[c] = t + BURST_HOLD_S
+            # The card is held for the burst (its hold) from the request on, moved or not, as the control plane holds
+            # it: placement must not fill the room again meanwhile, and the card gets no second request.
+            self.room_until[c] = t + BURST_HOLD_S

@@ -155,9 +155,10 @@ class Dsec(_Strict):
     # A design study, not what the control plane does yet (dsec.quota.relief): accumulation for the steepest-ramping
     # worker of a card whose projected usage overflows it, until its burst is over.
     memory_relief: bool = False
-    # A design study, not what the control plane does yet (dsec.quota.room): an actor moves alone off a card that a
-    # burst is about to fill (projected over the next sample), before anyone's allocation fails.
-    make_room: bool = False
+    # Room for a burst (dsec.quota.room, the control plane's JudgeConfig.make_room, on as shipped): an actor moves
+    # alone off a card that holds a learner and that a burst is about to fill, before anyone's allocation fails; the
+    # card takes no new worker for the burst's hold. False: as before 2026-12-07.
+    make_room: bool = True
     # Which cards get room: ``learners`` — a card holding a worker whose failure restarts its group (the rule's
     # ``restarts_group``: a learner); ``all`` — every card (an actor's OOM costs about what its move does: measured,
     # docs/benchmarks.md "Room for a burst").

@@ -150,3 +150,31 @@ def _no_leftover_threads() -> Iterator[None]:
     yield
     # asyncio.to_thread's executor belongs to the test's event loop, which pytest-asyncio closes (and shuts down).
     assert not [t for t in set(threading.enumerate()) - before if t.is_alive() and "asyncio" in t.name]
+
+
+async def test_a_worker_lost_for_a_moment_keeps_its_memory_trend(make_cp: Any, clock: Clock) -> None:
+    """A rank that misses its beats while its memory climbs (a process stalled touching new pages) is marked lost and
+    comes back: its memory trend is kept meanwhile, so the next plan sees the climb since its last reading instead of
+    a newcomer with no ramp (that hid bursts from the quota plans and from room for bursts)."""
+    cp, ranks = await make_cp("lost")
+    await cp.reconcile()
+    wid = next(w for w, r in ranks.items() if r == 0)
+    before = cp.judge.memory_trends[wid]
+    clock.now += 30.0  # every rank silent far past lost_after_beats: all marked lost by the next pass
+    await cp.reconcile()
+    assert cp.state.workers[wid].state.value == "lost" and cp.judge.memory_trends[wid] == before
+    w = cp.state.workers[wid]
+    req = HeartbeatRequest(seq=3, acked_directive_version=1, metrics={"memory_used_gb": 9.0})
+    await cp.heartbeat(w, req)  # back, 6 GB higher
+    assert cp.state.workers[wid].state.value == "active"
+    clock.now += 2.0
+    await cp.reconcile()
+    after = cp.judge.memory_trends[wid]
+    assert after.used_gb == 9.0 and after.ramp_gb_per_s > 0  # the climb since the reading before the gap
+    assert after.peak_gb == 9.0
+    # A rank that deregistered is forgotten, trend and all.
+    other = next(w for w, r in ranks.items() if r == 1)
+    await cp.deregister(cp.state.workers[other], ADMIN_TOKEN)
+    clock.now += 2.0
+    await cp.reconcile()
+    assert other not in cp.judge.memory_trends

@@ -30,6 +30,7 @@ from dsec.health.fleet import FleetConfig
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import DirectiveFields, Event, EventType, Pool, PoolThresholds, WorkerState
 from dsec.quota import MemoryTrend, QuotaConfig
+from dsec.quota.trend import BURST_HOLD_S
 from dsec.scheduler.device_health import DeviceHealthConfig
 
 POOL = Pool("p", thresholds=PoolThresholds(bandwidth_cap_mbps=100.0, latency_cap_ms=50.0), memory_ceiling_gb=20.0)
@@ -294,3 +295,63 @@ def test_the_fleet_judgment_reports_the_cap_safety_floor() -> None:
     assert v.latency_floor_ms == pytest.approx(1.5 * 49.0)
     calm = [view(i, metrics={"sync_latency_ms_p50": 20.0}) for i in range(4)]
     assert judge_pool(POOL, "p", calm, {}, False, FleetConfig(), 1.0).latency_floor_ms is None
+
+
+# -- room for a burst (dsec.quota.room through plan_pool_quotas) -----------------------------------------------------
+def _card_pass(used: list[list[float]], roles: list[str], held: dict[str, float]) -> list[object]:
+    """Quota passes 2 s apart over 4 workers on one 24 GB card (``c0``: devices d0-d3), the room hold ``held``
+    updated from each pass's requests as the judge does; each pass's room requests."""
+    import dataclasses
+
+    from dsec.decide import observe_memory as observe
+
+    cards = {f"d{i}": ("c0", 24.0) for i in range(4)}
+    pool = Pool("p", devices=tuple(cards), memory_base_gb=5.0, memory_ceiling_gb=12.0)
+    trends: dict[str, MemoryTrend] = {}
+    out: list[object] = []
+    for k, row in enumerate(used):
+        ws = [
+            dataclasses.replace(view(i, role=roles[i], metrics={"memory_used_gb": row[i]}), device=f"d{i}")
+            for i in range(4)
+        ]
+        trends = observe(trends, ws, 2.0 * k)
+        v = plan_pool_quotas(pool, 24.0, ws, QuotaConfig(), 2.0 * k, trends=trends, device_gb=24.0, cards=cards,
+                             room_held=held)  # fmt: skip
+        for r in v.rooms:
+            held[r.card] = r.until
+        out.append(v.rooms)
+    return out
+
+
+def test_a_burst_about_to_fill_a_learners_card_moves_its_largest_actor_once_per_hold() -> None:
+    roles = ["learner", "actor", "actor", "actor"]
+    # The learner climbs 1 GB/s (a burst) from 6 GB; the actors hold 5, 5.5 and 5 GB: 21.5 GB, then 23.5, 25.5, ...
+    used = [[6.0 + 2.0 * k, 5.0, 5.5, 5.0] for k in range(5)]
+    held: dict[str, float] = {}
+    rooms = _card_pass(used, roles, held)
+    firsts = [k for k, r in enumerate(rooms) if r]
+    assert firsts == [1], rooms  # at 2 s: 23.5 GB + the ramp over the horizon passes 24; then held, asked once
+    (room,) = rooms[1]  # type: ignore[misc]
+    assert (room.card, room.worker_id, room.device) == ("c0", "w2", "d2")  # the largest actor
+    assert room.until == 2.0 + BURST_HOLD_S and held == {"c0": room.until}
+    ev = room.event
+    assert ev.type is EventType.QUOTA and ev.worker_id == "w2" and ev.data["kind"] == "make_room"
+    assert ev.data["bursting"] == ["w0"] and ev.data["device"] == "d2" and ev.data["projected_gb"] > 24.0
+
+
+def test_no_room_is_made_without_a_learner_on_the_card_or_when_it_is_off() -> None:
+    used = [[6.0 + 2.0 * k, 5.0, 5.5, 5.0] for k in range(5)]
+    assert not any(_card_pass(used, ["actor"] * 4, {}))  # every worker restarts alone: a move costs as much
+    cards = {f"d{i}": ("c0", 24.0) for i in range(4)}
+    pool = Pool("p", devices=tuple(cards), memory_base_gb=5.0, memory_ceiling_gb=12.0)
+    import dataclasses
+
+    ws = [dataclasses.replace(view(i, role="learner" if i == 0 else "actor", metrics={"memory_used_gb": 6.0}),
+                              device=f"d{i}") for i in range(4)]  # fmt: skip
+    burst = {"w0": (1.0, 0.0)}  # the learner: ramping at 1 GB/s, a burst seen at t=0; the actors: flat, no burst
+    trends = {w.id: MemoryTrend(0.0, 6.0, *burst.get(w.id, (0.0, -math.inf))[:1], 6.0, 0.0,
+                                burst.get(w.id, (0.0, -math.inf))[1]) for w in ws}  # fmt: skip
+    on = plan_pool_quotas(pool, 24.0, ws, QuotaConfig(), 1.0, trends=trends, cards=cards, room_held={})
+    assert [r.worker_id for r in on.rooms] == ["w3"]  # 24 + 1 x 5 > 24: all hold 6 GB, the tie goes to the last id
+    off = plan_pool_quotas(pool, 24.0, ws, QuotaConfig(), 1.0, trends=trends, cards=cards)
+    assert off.rooms == []  # room_held None: the judge's make_room is off

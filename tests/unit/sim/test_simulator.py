@@ -488,7 +488,8 @@ def test_a_learner_whose_burst_rises_into_its_limit_snapshots_first_so_its_oom_r
     (the largest user of a full card) is not protected: it was not rising."""
     runs = {}
     for on in (True, False):
-        _, outcome = run_one(bursty(burst_snapshots=on), "dsec")
+        # Room for bursts off: it spares learners their OOMs, and these are what the snapshot is tested on.
+        _, outcome = run_one(bursty(burst_snapshots=on, make_room=False), "dsec")
         runs[on] = outcome
     one_sample = runs[True].ideal_rate * small().sample_interval_s * 1.01
     rolled = {
@@ -517,7 +518,7 @@ def test_a_learner_oom_its_burst_snapshot_covered_does_not_shorten_the_snapshot_
     victims either way."""
     runs = {}
     for on in (True, False):
-        sim, outcome = run_one(bursty(snapshot_cadence="failure_history", burst_snapshots=on), "dsec")
+        sim, outcome = run_one(bursty(snapshot_cadence="failure_history", burst_snapshots=on, make_room=False), "dsec")
         learner_ooms = sum(1 for i in outcome.interruptions if i.cause == "oom" and i.learners)
         runs[on] = (int(sim.regime.rollbacks.sum()), outcome.decisions.get("foreseen_rollbacks", 0), learner_ooms)
     (kept_on, foreseen_on, ooms_on), (kept_off, foreseen_off, ooms_off) = runs[True], runs[False]
@@ -526,24 +527,24 @@ def test_a_learner_oom_its_burst_snapshot_covered_does_not_shorten_the_snapshot_
 
 
 def test_room_made_for_bursts_gives_fewer_ooms_than_no_quotas_and_spares_the_learners() -> None:
-    """The design study dsec.quota.room: an actor moves alone off a card that a burst is about to fill while the
-    card holds a learner (whose failure restarts its group). Same bursts three ways: quotas as shipped, quotas with
-    room made, no quotas. Without the move, quotas fail as many workers as no quotas do (bursts fill cards: no limit
-    prevents that), and the learners among them."""
+    """Room for bursts (dsec.quota.room, on as shipped): an actor moves alone off a card that a burst is about to
+    fill while the card holds a learner (whose failure restarts its group). Same bursts three ways: quotas with room
+    made, quotas without it (before 2026-12-07), no quotas. Without the move, quotas fail as many workers as no quotas
+    do (bursts fill cards: no limit prevents that), and the learners among them."""
     ooms, learners = {}, {}
-    for name, kw in (("shipped", {}), ("room", {"make_room": True}), ("none", {"quotas": False})):
+    for name, kw in (("without", {"make_room": False}), ("room", {}), ("none", {"quotas": False})):
         _, outcome = run_one(bursty(**kw), "dsec")
         failed = [i for i in outcome.interruptions if i.cause == "oom"]
         ooms[name], learners[name] = sum(i.workers for i in failed), sum(1 for i in failed if i.learners)
         moves = outcome.decisions.get("make_room", 0)
         assert (moves > 0) == (name == "room"), (name, moves)
         assert moves == outcome.decisions.get("restart_alone:make_room", 0)  # an actor moved alone, nothing rolled back
-    assert ooms["room"] < min(ooms["shipped"], ooms["none"]), ooms
-    assert learners["room"] < min(learners["shipped"], learners["none"]), learners
+    assert ooms["room"] < min(ooms["without"], ooms["none"]), ooms
+    assert learners["room"] < min(learners["without"], learners["none"]), learners
 
 
 def test_room_made_on_a_card_is_kept_from_placement_while_the_burst_lasts() -> None:
-    r, sim = _running(bursty(make_room=True))
+    r, sim = _running(bursty())
     lay = sim.layout
     card = int(sim.slot_of[0]) // lay.workers_per_gpu  # group 0's learner's card
     actor = next(
