@@ -12,7 +12,7 @@ goodput on every seed (the same study). Moving one card-mate away when a burst i
 and when it is needed. The worker moved is an actor whose group restarts it alone: it loses the rollout it had under
 way and restarts on another card, while the burst — often a learner's, whose failure would restart its whole group —
 goes on. Measured (docs/benchmarks.md "Room for a burst"): rl-128, one simulated day, seeds 7/8/9: 21-25 moves a day,
-OOMs 102/76/98 -> 72/65/75 (88/75/95 with no quotas at all), learner OOMs 4-5 -> 1, goodput 0.005-0.1% lower.
+workers failed of OOM 102/76/98 -> 72/66/75 (88/75/95 with no quotas), learner OOMs 4-5 -> 1, goodput 0.005-0.1% lower.
 
 Rule, per card, at each quota pass: the card's projected usage is the sum over its workers of
 ``used + max(ramp, 0) x horizon_s``, where ``horizon_s`` is the time until the next chance to act. When it exceeds the
