@@ -677,7 +677,7 @@ def test_a_burst_about_to_fill_a_learners_card_moves_an_actor_off_it_and_placeme
     server_factory: Callable[..., Harness], tmp_path: Path
 ) -> None:
     # Three process slots of one 8 GB card: a learner bursting on card0-a beside two actors (2.0 and 2.5 GB); gpu-1
-    # is a card of its own. The control plane asks for the larger actor to move (a quota event of kind make_room,
+    # is a card of its own. The control plane asks for the larger actor to move (a room event,
     # which the launcher's supervisor acts on: tests/integration/test_launch_local.py), once; until the burst's hold
     # is over, placement puts no new worker on card0.
     h = start(server_factory, tmp_path / "room", JudgeConfig(quota_interval_s=0.1))
@@ -692,7 +692,7 @@ def test_a_burst_about_to_fill_a_learners_card_moves_an_actor_off_it_and_placeme
     )
 
     def rooms() -> list[dict[str, Any]]:
-        return [e for e in events_of(h, None, "quota") if e["data"].get("kind") == "make_room"]
+        return events_of(h, None, "room")
 
     used = 2.0
     deadline = time.monotonic() + 10

@@ -329,7 +329,7 @@ def test_an_actor_moves_off_a_card_that_its_learners_burst_is_about_to_fill(
     """Room for a burst (dsec.quota.room), end to end: the learner and two actors share one 2 GB card (three process
     slots on node-0; node-1 has two cards of its own); the learner's memory grows at 100 MB/s (``DSEC_CHAOS``, real
     pages: no GPU here, the probe reports the RSS). The control plane sees the card about to fill and asks for an
-    actor to move (a ``quota`` event of kind ``make_room``); the supervisor moves that actor alone to node-1. The
+    actor to move (a ``room`` event); the supervisor moves that actor alone to node-1. The
     learner and the other actor keep their processes, and a move uses up no restart."""
     h = server_factory(pools=True)
     devices = {"card0-a": ("node-0", "card0"), "card0-b": ("node-0", "card0"), "card0-c": ("node-0", "card0"),
@@ -348,7 +348,7 @@ def test_an_actor_moves_off_a_card_that_its_learners_burst_is_about_to_fill(
     sup = checking_devices(h, job, launcher, recoveries)
 
     def rooms() -> list[dict[str, Any]]:
-        return [e for e in h.admin.all_events(types=["quota"]) if e["data"].get("kind") == "make_room"]
+        return h.admin.all_events(types=["room"])
 
     try:
         sup.start()

@@ -26,7 +26,7 @@ ROOM_HORIZON_S = 5.0
 @dataclass(frozen=True)
 class RoomRequest:
     """Room made on ``card`` for a burst: ``worker_id`` (an actor, on ``device``) is to move off it alone; the card
-    takes no new worker until ``until``. ``event`` records it (a ``quota`` event of kind ``make_room``), and the
+    takes no new worker until ``until``. ``event`` records it (a ``room`` event), and the
     launcher's supervisor acts on that event."""
 
     card: str
@@ -218,7 +218,7 @@ def _room(
         "reason": f"a burst will fill card {card} ({projected:.1f} of {card_gb:g} GB within {ROOM_HORIZON_S:g} s): "
         f"{moved.agent} moves off it",
     }
-    ev = Event(ts=now, type=EventType.QUOTA, worker_id=chosen, pool=pool.name, data=data)
+    ev = Event(ts=now, type=EventType.ROOM, worker_id=chosen, pool=pool.name, data=data)
     return RoomRequest(card, chosen, str(moved.device), until, ev)
 
 

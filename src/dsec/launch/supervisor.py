@@ -507,11 +507,11 @@ class Supervisor:
     # -- room for a burst ----------------------------------------------------------------------------------------
     def _check_room(self) -> None:
         """Room for a burst (dsec.quota.room): the control plane asks for an actor to move off a card that a burst is
-        about to fill (a ``quota`` event of kind ``make_room`` naming the actor's device; the card takes no new worker
+        about to fill (a ``room`` event naming the actor's device; the card takes no new worker
         while the burst lasts). An actor of this job on that device, in a ``restart_scope: worker`` group, moves
         alone (:meth:`_make_room`). A group restarted whole is left where it is: stopping every worker of it costs
         more than the OOM the move may avoid."""
-        events = self.client.all_events(types=["quota"], pool=self.job.pool, since=self._room_since)
+        events = self.client.all_events(types=["room"], pool=self.job.pool, since=self._room_since)
         on = {a["device"]: a["worker"] for a in self.placement.get("assignments", [])}
         for ev in events:
             self._room_since = max(self._room_since, float(ev["ts"]) - ROOM_LOOKBACK_S)

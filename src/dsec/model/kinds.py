@@ -66,6 +66,9 @@ class EventType(str, enum.Enum):
     ANOMALY = "anomaly"
     LOG = "log"
     POOL_CHANGED = "pool_changed"
+    # Room made on a card for a memory burst: an actor is asked to move off it (dsec.quota.room; the launcher's
+    # supervisor acts on it). Its own type so that a supervisor reads these, not every quota change of the fleet.
+    ROOM = "room"
 
 
 #: Event kinds a worker may report in a heartbeat; the rest are decided by the control plane.

@@ -1,7 +1,7 @@
 """Room for a burst: move a card-mate off a card that a burst is about to fill, before anyone runs out of memory.
 
 The control plane's quota pass decides it (``dsec.decide.plan_pool_quotas``, ``JudgeConfig.make_room``, on as
-shipped; ``DSEC_MAKE_ROOM=0`` turns it off): a ``quota`` event of kind ``make_room`` names the actor, placement keeps
+shipped; ``DSEC_MAKE_ROOM=0`` turns it off): a ``room`` event names the actor, placement keeps
 the card's free slots out for the burst's hold, and the launcher's supervisor moves that actor alone
 (``restart_scope: worker``). The simulator runs the same rule (``dsec.make_room``).
 

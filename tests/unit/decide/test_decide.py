@@ -335,7 +335,7 @@ def test_a_burst_about_to_fill_a_learners_card_moves_its_largest_actor_once_per_
     assert (room.card, room.worker_id, room.device) == ("c0", "w2", "d2")  # the largest actor
     assert room.until == 2.0 + BURST_HOLD_S and held == {"c0": room.until}
     ev = room.event
-    assert ev.type is EventType.QUOTA and ev.worker_id == "w2" and ev.data["kind"] == "make_room"
+    assert ev.type is EventType.ROOM and ev.worker_id == "w2" and ev.data["kind"] == "make_room"
     assert ev.data["bursting"] == ["w0"] and ev.data["device"] == "d2" and ev.data["projected_gb"] > 24.0
 
 
