@@ -164,8 +164,8 @@ class Settings:
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Defaults <- environment (DSEC_HOME, DSEC_DATABASE_URL, DSEC_ADMIN_TOKEN, DSEC_WEBHOOK_ALLOW_PRIVATE,
-        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR, DSEC_MEMORY_PRESSURE, DSEC_PLOTS_DIR) <- explicit
-        overrides."""
+        DSEC_WEBHOOK_ALLOWED_HOSTS, DSEC_COST_DEVICE_HOUR, DSEC_MEMORY_PRESSURE, DSEC_MAKE_ROOM, DSEC_PLOTS_DIR) <-
+        explicit overrides."""
         home = Path(str(overrides.pop("home", None) or default_home()))
         url = (
             overrides.pop("database_url", None)
@@ -185,14 +185,20 @@ class Settings:
                 raise ValueError(
                     f"DSEC_COST_DEVICE_HOUR={os.environ['DSEC_COST_DEVICE_HOUR']!r} is invalid: expected a number"
                 ) from None
-        if "judge" not in overrides and os.environ.get("DSEC_MEMORY_PRESSURE"):
+        explicit_judge = "judge" in overrides  # an explicit JudgeConfig wins over the environment, as every override
+        if not explicit_judge and os.environ.get("DSEC_MEMORY_PRESSURE"):
             overrides["judge"] = _judge_with_memory_pressure(os.environ["DSEC_MEMORY_PRESSURE"])
-        if os.environ.get("DSEC_MAKE_ROOM") and not _truthy(os.environ["DSEC_MAKE_ROOM"]):
-            from dsec.control.judge import JudgeConfig
+        if not explicit_judge and os.environ.get("DSEC_MAKE_ROOM"):
+            try:
+                make_room = _truthy(os.environ["DSEC_MAKE_ROOM"])
+            except ValueError as exc:
+                raise ValueError(f"DSEC_MAKE_ROOM: {exc}") from None
+            if not make_room:
+                from dsec.control.judge import JudgeConfig
 
-            judge = overrides.get("judge")
-            base = judge if isinstance(judge, JudgeConfig) else JudgeConfig()
-            overrides["judge"] = dataclasses.replace(base, make_room=False)
+                judge = overrides.get("judge")
+                base = judge if isinstance(judge, JudgeConfig) else JudgeConfig()
+                overrides["judge"] = dataclasses.replace(base, make_room=False)
         if "plots_dir" not in overrides:
             from dsec.plots import plots_dir
 

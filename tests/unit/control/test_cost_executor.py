@@ -82,3 +82,24 @@ def test_the_breakers_memory_path_is_off_unless_the_environment_turns_it_on(
         monkeypatch.setenv("DSEC_MEMORY_PRESSURE", bad)
         with pytest.raises(ValueError, match="DSEC_MEMORY_PRESSURE"):
             Settings.from_env(home=tmp_path)
+
+
+def test_room_for_bursts_is_on_unless_the_environment_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsec.control.judge import JudgeConfig
+
+    monkeypatch.delenv("DSEC_MEMORY_PRESSURE", raising=False)
+    monkeypatch.delenv("DSEC_MAKE_ROOM", raising=False)
+    assert Settings.from_env(home=tmp_path).judge is None  # JudgeConfig's default: make_room on
+    monkeypatch.setenv("DSEC_MAKE_ROOM", "0")
+    judge = Settings.from_env(home=tmp_path).judge
+    assert judge is not None and judge.make_room is False and judge.memory_pressure is None
+    monkeypatch.setenv("DSEC_MEMORY_PRESSURE", "0.9")  # both variables apply together
+    judge = Settings.from_env(home=tmp_path).judge
+    assert judge is not None and (judge.make_room, judge.memory_pressure) == (False, 0.9)
+    explicit = JudgeConfig(quota_interval_s=0.5)  # an explicit JudgeConfig wins over the environment
+    assert Settings.from_env(home=tmp_path, judge=explicit).judge is explicit
+    monkeypatch.setenv("DSEC_MAKE_ROOM", "perhaps")
+    with pytest.raises(ValueError, match="DSEC_MAKE_ROOM"):
+        Settings.from_env(home=tmp_path)
