@@ -14,7 +14,7 @@ from dsec.decide.views import WorkerView
 from dsec.health.interventions import PrecisionGuard
 from dsec.model import Event, EventType, Pool
 from dsec.quota import MemoryTrend, PoolMemory, QuotaConfig, QuotaPlan, WorkerMemory, plan
-from dsec.quota.room import CardMate, make_room
+from dsec.quota.room import CardMate, make_room, projected_gb
 from dsec.quota.trend import BURST_HOLD_S, BURST_RAMP_GB_PER_S, PEAK_HOLD_S, observe_arrays
 
 #: How far ahead a card's usage is projected for room (dsec.quota.room): until the next chance to act — the next quota
@@ -206,7 +206,7 @@ def _room(
         return None
     moved = next(w for w in ws if w.id == chosen)
     until = now + BURST_HOLD_S
-    projected = math.fsum(m.used_gb + max(m.ramp_gb_per_s, 0.0) * ROOM_HORIZON_S for m in mates)
+    projected = projected_gb(mates, ROOM_HORIZON_S)
     data: dict[str, object] = {
         "kind": "make_room",
         "card": card,

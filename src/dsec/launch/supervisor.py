@@ -516,7 +516,7 @@ class Supervisor:
         for ev in events:
             self._room_since = max(self._room_since, float(ev["ts"]) - ROOM_LOOKBACK_S)
             data = ev.get("data") or {}
-            if ev["id"] in self._room_seen or data.get("kind") != "make_room":
+            if ev["id"] in self._room_seen:
                 continue
             self._room_seen.add(ev["id"])
             worker = on.get(str(data.get("device")))
@@ -544,10 +544,7 @@ class Supervisor:
             return
         self.placement = placement
         log.info("group %s: %s moves off card %s to make room for a burst", group, worker, card)
-        pids: dict[str, int] = getattr(self.launcher, "pids", lambda _g: {})(group)
-        self.launcher.stop_workers([worker])  # type: ignore[attr-defined]
-        self._live.get(group, set()).discard(worker)
-        self._restart_worker(Exit(worker, group, None, time.time(), pids.get(worker)), 0.0, ROOM)
+        self._move_alone(group, [worker], ROOM)
 
     def _migrate(self, group: str, bad: list[str]) -> None:
         """Move a group's workers off degraded devices: place the job again with every worker not on a degraded
@@ -586,13 +583,20 @@ class Supervisor:
         if not alone or stop_workers is None:
             self._restart(group, f"{group}-*", None, MOVE, time.time(), 0.0)
             return
+        self._move_alone(group, moved, MOVE, healing)
+
+    def _move_alone(self, group: str, moved: list[str], reason: str, healing: bool = False) -> None:
+        """Stop ``moved`` (workers of ``group`` that the placement now in force puts on new devices) and start each
+        again there alone (``restart_scope: worker``), or heal each in place (a healing group; if a heal cannot
+        start, the group restarts). The launcher starts single workers (``stop_workers``)."""
+        live = self._live.get(group, set())
         pids: dict[str, int] = getattr(self.launcher, "pids", lambda _g: {})(group)
-        stop_workers(moved)
+        self.launcher.stop_workers(moved)  # type: ignore[attr-defined]
         for w in moved:
             live.discard(w)
             gone = Exit(w, group, None, time.time(), pids.get(w))
             if not healing:
-                self._restart_worker(gone, 0.0, MOVE)
-            elif not self._heal(gone, 0.0, MOVE):
-                self._restart(group, w, None, MOVE, time.time(), 0.0)
+                self._restart_worker(gone, 0.0, reason)
+            elif not self._heal(gone, 0.0, reason):
+                self._restart(group, w, None, reason, time.time(), 0.0)
                 return

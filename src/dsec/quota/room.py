@@ -41,10 +41,16 @@ class CardMate:
     restarts_group: bool = True  # its failure restarts its whole group (a learner), not itself alone (an actor)
 
 
+def projected_gb(workers: Sequence[CardMate], horizon_s: float) -> float:
+    """What the card's ``workers`` will hold ``horizon_s`` from now at their ramps (growth only)."""
+    return sum(w.used_gb + max(w.ramp_gb_per_s, 0.0) * horizon_s for w in workers)
+
+
 def make_room(capacity_gb: float, workers: Sequence[CardMate], horizon_s: float) -> str | None:
     """The worker to move off one card of ``capacity_gb`` (see the module docstring), or None."""
-    projected = sum(w.used_gb + max(w.ramp_gb_per_s, 0.0) * horizon_s for w in workers)
-    if projected <= capacity_gb or not any(w.ramp_gb_per_s >= BURST_RAMP_GB_PER_S for w in workers):
+    if projected_gb(workers, horizon_s) <= capacity_gb:
+        return None
+    if not any(w.ramp_gb_per_s >= BURST_RAMP_GB_PER_S for w in workers):
         return None
     if not any(w.restarts_group for w in workers):  # every worker here fails and restarts alone: a move costs as much
         return None

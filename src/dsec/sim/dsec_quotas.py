@@ -41,7 +41,6 @@ class QuotaPass(Regime):
     knobs: dict[tuple[str, str], float | None]
     pool_names: list[str]
     relieved: np.ndarray
-    degraded: np.ndarray
     _set_accum: Callable[[int], None]  # BreakerPass's: the breaker's and relief's accumulation merged
 
     def recover_alone(self, g: int, t: float, cause: str, victims: list[int]) -> bool:
@@ -280,8 +279,8 @@ class QuotaPass(Regime):
     def _make_room(self, t: float, run: np.ndarray, mem: np.ndarray) -> None:
         """``dsec.quota.room.make_room`` for the cards whose projected usage may overflow them before the next sample
         (a vectorized pre-filter, loose by a rounding margin: the rule checks again); the worker it names moves alone
-        to another card (``recover_alone``, cause ``make_room``: the supervisor's move of an actor, with the card it
-        leaves excluded), at once: its memory leaves the card before the next sample."""
+        to another card (``recover_alone``, cause ``make_room``: the supervisor's move of an actor; the card it leaves
+        is held, so placement leaves it out), at once: its memory leaves the card before the next sample."""
         sim = self.sim
         if not self.sc.dsec.restart_actors_alone:
             return
@@ -307,14 +306,9 @@ class QuotaPass(Regime):
             chosen = make_room(cap, mates, horizon)
             if chosen is None:
                 continue
-            w = int(chosen)
-            was = bool(self.degraded[c])
-            self.degraded[c] = True  # placement's allowed devices leave this card out, as the supervisor's would
-            try:
-                moved = self.recover_alone(int(sim.group_of[w]), t, "make_room", [w])
-            finally:
-                self.degraded[c] = was
-            self.counts["make_room" if moved else "make_room_nowhere"] += 1
             # The card is held for the burst (its hold) from the request on, moved or not, as the control plane holds
-            # it: placement must not fill the room again meanwhile, and the card gets no second request.
+            # it: placement leaves it out (the move below included), and it gets no second request meanwhile.
             self.room_until[c] = t + BURST_HOLD_S
+            w = int(chosen)
+            moved = self.recover_alone(int(sim.group_of[w]), t, "make_room", [w])
+            self.counts["make_room" if moved else "make_room_nowhere"] += 1
