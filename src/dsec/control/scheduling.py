@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dsec.control.store import PlacementRow, WriteBatch
 from dsec.decide import degrade, occupancy, slow_workers
 from dsec.model import Device, DeviceHealth, Event, EventType, Pool, WorkerState
+from dsec.quota.trend import BURST_HOLD_S
 from dsec.scheduler.device_health import DeviceHealthConfig, DeviceHealthTracker
 from dsec.scheduler.inventory import Inventory, from_cluster
 from dsec.scheduler.placement import JobSpec, Placement, place, placement_from_dict
@@ -75,7 +76,9 @@ class Scheduler:
     def load(self, placements: Iterable[PlacementRow] = ()) -> None:
         """Startup: the placements in force (from the store: the devices they hold stay held across a restart), and
         from the ``device`` events: the profiles (run records), when each device entered its health state (its
-        probation clocks run from then, not from the restart) and the pools still held back after a degradation."""
+        probation clocks run from then, not from the restart) and the pools still held back after a degradation; from
+        the ``room`` events, the cards still holding room made for a burst (a restart must not hand that room to a new
+        worker, nor let the next quota pass ask the card for a second move)."""
         for row in placements:
             try:
                 self.placements[row.job] = placement_from_dict(row.placement)
@@ -89,6 +92,11 @@ class Scheduler:
                     log.warning("skipping an unreadable run record in event %s", ev.id)
             elif ev.data.get("kind") == "health" and isinstance(ev.data.get("device"), str):
                 self._replay_health(ev)
+        now = self.clock()
+        for ev in self.events.iter_events(EventType.ROOM, since=now - BURST_HOLD_S):
+            card, until = ev.data.get("card"), ev.data.get("until")
+            if isinstance(card, str) and isinstance(until, int | float) and until > now:
+                self.state.room_until[card] = max(self.state.room_until.get(card, 0.0), float(until))
 
     def _replay_health(self, ev: Event) -> None:
         """A recorded health change, as ``_set_health`` / ``_degrade`` applied it (events come in id order)."""

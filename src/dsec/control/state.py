@@ -256,7 +256,7 @@ class HotState:
     # Pools recovering from a device failure (until this time): policy actions on them are held back.
     pool_recovering_until: dict[str, float] = field(default_factory=dict)
     # Cards holding room made for a burst (dsec.quota.room), until this time: placement puts no new worker there.
-    # Held in memory only: a restarted control plane forgets them (they last minutes), the move itself is recorded.
+    # Each is a ``room`` event's ``until``: a restarted control plane reads them back (Scheduler.load).
     room_until: dict[str, float] = field(default_factory=dict)
     _dirty: set[str] = field(default_factory=set)
     _writing: Counter[str] = field(default_factory=Counter)  # workers a request is committing a row of
