@@ -30,6 +30,8 @@ SCENES = (
     "actor restart",
     "degraded device",
     "memory quotas",
+    "memory burst",
+    "room for a burst",
     "training processes finished cleanly",
     "simulator",
 )

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=20, help="finished episodes (all ranks together) averaged")
     p.add_argument("--total-steps", type=int, default=500_000, help="env steps over all ranks")
     p.add_argument("--max-seconds", type=float, default=600.0)
+    p.add_argument("--min-seconds", type=float, default=0.0,
+                   help="train at least this long even once the target is reached (for a demo whose scenes need "
+                        "running learners)")  # fmt: skip
     p.add_argument("--short", action="store_true", help="smoke run: caps --total-steps at 20000")
     p.add_argument("--num-envs", type=int, default=4, help="envs per rank")
     p.add_argument("--num-steps", type=int, default=128, help="rollout length per env")
@@ -294,7 +297,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any
                 f"avg_return {avg_return:6.1f}  lr {lr:.2e}  clipfrac {clipfrac:.3f}  "
                 f"v_loss {float(v_loss.detach()):8.3f}  t {stats[2] / world_size:6.1f}s",
             )
-        if reached or env_steps >= args.total_steps or float(stats[2]) / world_size >= args.max_seconds or stats[4] > 0:
+        done = reached and float(stats[2]) / world_size >= args.min_seconds
+        if done or env_steps >= args.total_steps or float(stats[2]) / world_size >= args.max_seconds or stats[4] > 0:
             break
 
     envs.close()

@@ -15,6 +15,7 @@ from dsec.client import Client
 POOL = "pool-0"
 ACTOR_POOL = "pool-1"  # the actor-restart scene's job (two devices of its own: a device runs one worker)
 MEMORY_POOL = "pool-2"  # the memory-drain scene's learner
+ROOM_POOL = "pool-3"  # the room-for-a-burst scene's learner and actors (on devices of its own for the scene)
 HEARTBEAT_S = 0.25
 
 
