@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,49 @@ def _play(run: DemoRun, workers: int, duration_s: float) -> None:
         scene.act(run)
 
 
+Phase = Callable[[DemoRun, str, str, Path], dict[str, Any]]
+Check = Callable[[DemoRun, dict[str, Any]], bool]
+#: The jobs run under DSec's supervisor after the heal, in order: what the console says, the pool, the phase (run,
+#: pool, endpoint, home -> what happened) and its scenes (title, check of what happened).
+SUPERVISED_PHASES: list[tuple[str, str, Phase, list[tuple[str, Check]]]] = [
+    (
+        "two env runners under the supervisor; killing one (-9): it restarts alone; then the other's device is "
+        "marked degraded: it alone moves",
+        ACTOR_POOL,
+        recovery_phase.actor_restart,
+        [
+            ("actor restart: an env runner killed -9 restarts alone, the other runs on",
+             recovery_phase.actor_restarted),
+            ("degraded device: only the env runner on it moves (the other pinned in place)",
+             recovery_phase.actor_moved),
+        ],
+    ),
+    (
+        "a learner whose memory climbs slowly on a shared card (stand-in) meets its quota's ceiling: drained before "
+        "the cap",
+        MEMORY_POOL,
+        memory_phase.memory_drain,
+        [("memory quotas: a slow climb into its ceiling -> drained (snapshot, stop, restart from it), no OOM",
+          memory_phase.drained)],
+    ),
+    (
+        "a learner whose memory bursts past its card: a snapshot as it rises, then its OOM",
+        MEMORY_POOL,
+        memory_phase.memory_burst,
+        [("memory burst: snapshotted as it rose -> its OOM's restart resumed from there, not a minute back",
+          memory_phase.burst_saved)],
+    ),
+    (
+        "a learner bursting on a card it shares with two env runners: one runner moves to another card before the "
+        "card fills",
+        ROOM_POOL,
+        room_phase.room_for_burst,
+        [("room for a burst: the card about to fill -> one env runner moved alone, learner untouched, no OOM",
+          room_phase.made_room)],
+    ),
+]  # fmt: skip
+
+
 def _restart_and_heal(
     run: DemoRun, scenes_ok: dict[str, bool], learners_ok: bool, env: dict[str, str], ppo: list[str], home: Path
 ) -> None:
@@ -200,38 +244,11 @@ def _restart_and_heal(
     scenes_ok["healing: a rank killed -9 -> replaced in place, its peer never stopped, replicas identical"] = (
         recovery_phase.recovered(run, result)
     )
-    run.console.print(
-        "two env runners under the supervisor; killing one (-9): it restarts alone; then the other's device is "
-        "marked degraded: it alone moves"
-    )
-    actors = recovery_phase.actor_restart(run, ACTOR_POOL, run.state["endpoint"], home)
-    scenes_ok["actor restart: an env runner killed -9 restarts alone, the other runs on"] = (
-        recovery_phase.actor_restarted(run, actors)
-    )
-    scenes_ok["degraded device: only the env runner on it moves (the other pinned in place)"] = (
-        recovery_phase.actor_moved(run, actors)
-    )
-    run.console.print(
-        "a learner whose memory climbs slowly on a shared card (stand-in) meets its quota's ceiling: drained before "
-        "the cap"
-    )
-    memory = memory_phase.memory_drain(run, MEMORY_POOL, run.state["endpoint"], home)
-    scenes_ok["memory quotas: a slow climb into its ceiling -> drained (snapshot, stop, restart from it), no OOM"] = (
-        memory_phase.drained(run, memory)
-    )
-    run.console.print("a learner whose memory bursts past its card: a snapshot as it rises, then its OOM")
-    burst = memory_phase.memory_burst(run, MEMORY_POOL, run.state["endpoint"], home)
-    scenes_ok["memory burst: snapshotted as it rose -> its OOM's restart resumed from there, not a minute back"] = (
-        memory_phase.burst_saved(run, burst)
-    )
-    run.console.print(
-        "a learner bursting on a card it shares with two env runners: one runner moves to another card before the "
-        "card fills"
-    )
-    room = room_phase.room_for_burst(run, ROOM_POOL, run.state["endpoint"], home)
-    scenes_ok["room for a burst: the card about to fill -> one env runner moved alone, learner untouched, no OOM"] = (
-        room_phase.made_room(run, room)
-    )
+    for say, pool, play, checks in SUPERVISED_PHASES:
+        run.console.print(say)
+        result = play(run, pool, run.state["endpoint"], home)
+        for title, check in checks:
+            scenes_ok[title] = check(run, result)
     scenes_ok["training processes finished cleanly"] = learners_ok
 
 
