@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_PRECISION_FALLBACK: Mapping[str, str] = {"bf16": "fp16", "fp16": "fp32"}
+NORMS_KEPT = 32  # gradient norms a precision guard keeps for its spike median
 
 
 def agent_name(role: str, group: str, rank: int) -> str:
@@ -78,13 +78,18 @@ class PrecisionGuard:
     stable_s: float = 300.0
     original: str | None = None
     last_instability: float | None = None
-    _norms: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    # The last NORMS_KEPT norms, oldest first. A list, not a deque(maxlen=...): a deque's storage is 64-slot blocks
+    # (~0.5 KB) and it takes a second one when its norms cross into the next block, which every worker of a job
+    # started together does on the same beat (the breaker's window had the same step: docs/benchmarks.md, the soak).
+    _norms: list[float] = field(default_factory=list)
 
     def observe(self, grad_norm: float, current: str, now: float) -> tuple[dict[str, Any], dict[str, Any]] | None:
         if not math.isfinite(grad_norm):
             return self.instability("non_finite_gradient", current, now, {"grad_norm": str(grad_norm)})
         history = sorted(self._norms)
         self._norms.append(grad_norm)
+        if len(self._norms) > NORMS_KEPT:
+            del self._norms[0]
         if len(history) >= self.min_history:
             median = history[len(history) // 2]
             if median > 0 and grad_norm > self.spike_factor * median:

@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsec.health.interventions import DEFAULT_PRECISION_FALLBACK, PrecisionGuard, agent_name, stuck_episode
 from dsec.model import DirectiveFields
@@ -235,3 +237,19 @@ def test_revert_is_a_no_op_when_the_precision_is_already_the_original() -> None:
     g.instability("non_finite_gradient", "bf16", now=0.0, data={})
     assert g.revert("bf16", now=5.0) is None  # an operator already put it back
     assert g.original is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e3, allow_nan=False), min_size=1, max_size=100))
+def test_the_guard_judges_each_norm_against_the_last_32(norms: list[float]) -> None:
+    """Spikes are judged against the median of the 32 norms before (the window a deque(maxlen=32) held), however
+    long the run: what the guard answers equals the definition computed from the whole history."""
+    g = PrecisionGuard()
+    for i, n in enumerate(norms):
+        out = g.observe(n, "fp32", now=float(i))  # fp32: no fallback, so only the spike judgement shows
+        history = sorted(norms[max(0, i - 32) : i])
+        spike = len(history) >= g.min_history and history[len(history) // 2] > 0
+        spike = spike and n > g.spike_factor * history[len(history) // 2]
+        assert (g.last_instability == float(i)) == spike  # set at this beat exactly when it was a spike
+        assert out is None
+    assert g._norms == norms[-32:]
