@@ -114,6 +114,7 @@ class Beats:
         )
         await self.log.commit(WriteBatch(workers=[w.row()], directives=[directive], events=[ev]))
         self.state.workers[worker_id] = w
+        self.state.may_lose_at(now + self.settings.lost_after_beats * req.heartbeat_interval_s)
         self.state.worker_token_hashes[w.token_hash] = worker_id
         if token_id is not None:
             self.state.workers_by_token[token_id] += 1
@@ -196,6 +197,7 @@ class Beats:
                 w.acked_version = req.acked_directive_version
             if was_lost:
                 w.state = WorkerState.ACTIVE
+                self.state.may_lose_at(now + self.settings.lost_after_beats * w.interval_s)
         self.heartbeats += 1
         if not events:
             self.state.mark_dirty_one(w.id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,3 +39,22 @@ def overdue(beats: Iterable[Beating], now: float, lost_after_beats: int) -> list
         for b in beats
         if b.state is WorkerState.ACTIVE and now - b.last_beat_at > lost_after_beats * b.interval_s
     ]
+
+
+def scan(beats: Iterable[Beating], now: float, lost_after_beats: int) -> tuple[list[str], float]:
+    """``overdue(beats, now, lost_after_beats)`` and the earliest deadline among the active workers (inf: none
+    active): the time before which none of them can be overdue, since a beat only moves a worker's deadline later.
+    A caller that knows when workers become active (the reconcile pass, through ``HotState.quiet_until``) need not
+    look again before then: a pass over 10,000 workers costs ~5 ms, four times a second."""
+    late: list[str] = []
+    first = math.inf
+    active = WorkerState.ACTIVE
+    for b in beats:
+        if b.state is active:
+            window = lost_after_beats * b.interval_s
+            if now - b.last_beat_at > window:
+                late.append(b.worker_id)
+            due = b.last_beat_at + window
+            if due < first:
+                first = due
+    return late, first

@@ -14,7 +14,7 @@ from dsec.control.beats import Beats
 from dsec.control.directives import Directives
 from dsec.control.eventlog import DurableLog
 from dsec.control.judge import Judge
-from dsec.control.liveness import overdue
+from dsec.control.liveness import overdue, scan
 from dsec.control.policies import PolicyRunner
 from dsec.control.ports import Clock
 from dsec.control.scheduling import Scheduler
@@ -25,6 +25,10 @@ from dsec.model import Event, EventType, WorkerState
 
 logger = logging.getLogger(__name__)
 
+
+#: A scan is skipped only while the pass's time is this much before ``HotState.quiet_until`` (float rounding of the
+#: deadline sums, at unix-time magnitudes ~1e-7 s, never decides a skip).
+QUIET_MARGIN_S = 1e-3
 
 #: From this many active workers on, a pass's fleet and quota judgments run off the event loop (``_judge_periodic``).
 OFF_LOOP_WORKERS = 1000
@@ -55,6 +59,7 @@ class Reconciler:
         self.policies = policies
         self.clock = clock
         self._last_retention = -math.inf
+        self._last_scan_at = -math.inf  # the time the last liveness scan judged silence at
         # Told what each retention pass deleted (the cost gauges' ledger drops the same: control/cost.py).
         self.on_pruned: Callable[[float, Sequence[EventType]], None] | None = None
 
@@ -134,7 +139,13 @@ class Reconciler:
         now = self.clock()
         at = now - max(stall_s, 0.0)
         after = self.settings.lost_after_beats
-        candidates = overdue(self.state.workers.values(), at, after)
+        # Nothing can be overdue before the earliest deadline the last scan saw (or a worker activated since
+        # brought in): no scan until then. A pass judging an earlier time than the last scan (a clock stepped back,
+        # a stall) scans, whatever the bound says.
+        if at + QUIET_MARGIN_S < self.state.quiet_until and at >= self._last_scan_at:
+            return []
+        candidates, self.state.quiet_until = scan(self.state.workers.values(), at, after)
+        self._last_scan_at = at
         if not candidates:
             return []
         async with AsyncExitStack() as held:

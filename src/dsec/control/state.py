@@ -11,6 +11,7 @@ writer thread only calls ``take_dirty`` / ``mark_dirty`` which swap a set under 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections import Counter
 from collections.abc import ItemsView, Iterator, Mapping
@@ -258,9 +259,18 @@ class HotState:
     # Cards holding room made for a burst (dsec.quota.room), until this time: placement puts no new worker there.
     # Each is a ``room`` event's ``until``: a restarted control plane reads them back (Scheduler.load).
     room_until: dict[str, float] = field(default_factory=dict)
+    # No active worker can be overdue before this time (a lower bound of their deadlines, liveness.scan): the reconcile
+    # pass sets it from its scan, and whatever makes a worker active lowers it (``may_lose_at``). -inf: unknown.
+    quiet_until: float = -math.inf
     _dirty: set[str] = field(default_factory=set)
     _writing: Counter[str] = field(default_factory=Counter)  # workers a request is committing a row of
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def may_lose_at(self, deadline: float) -> None:
+        """A worker became active (registered, or back from lost) and is overdue after ``deadline`` unless it beats:
+        the reconcile pass looks again by then."""
+        if deadline < self.quiet_until:
+            self.quiet_until = deadline
 
     def mark_dirty(self, *worker_ids: str) -> None:
         with self._lock:
