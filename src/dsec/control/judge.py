@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec.alerts import Alert, AlertRouter, Severity
 from dsec.breaker import Breaker, BreakerConfig, Caps
-from dsec.control.views import view_of
+from dsec.control.views import beat_view, view_of
 from dsec.control.worker_alerts import worker_alert
 from dsec.decide import (
     SOURCE,
@@ -173,7 +173,7 @@ class Judge:
         restore if the verdict cannot be committed)."""
         b = self.breaker(w, now)
         beat = BeatInputs(
-            view_of(w, keep=False),
+            beat_view(w),
             self.state.pools.get(w.pool),
             self.caps_for(w),
             metrics,

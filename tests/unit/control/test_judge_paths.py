@@ -226,25 +226,30 @@ async def test_a_workers_decision_view_is_kept_until_a_part_of_its_record_change
         assert view_of(live).role == "actor"
 
 
-async def test_a_beats_judgment_keeps_no_view_but_sees_what_a_kept_one_would(
+async def test_a_beats_judgment_reuses_the_kept_view_until_who_the_worker_is_or_its_directive_changes(
     settings: Settings, stores: list[SqlStore]
 ) -> None:
-    """A beat's judgment builds its view with ``keep=False``: the kept view when it is still good, else an equal one
-    that is not kept (the beat swaps the metrics right after, so keeping it only fed the garbage collector)."""
-    from dsec.control.views import view_of
+    """A beat's judgment reads the beat's own metrics, so it takes the kept view (``beat_view``) even when the
+    metrics have moved on since; a new directive or state makes a new one. The periodic judgments' ``view_of`` still
+    sees the latest metrics."""
+    from dataclasses import replace
+
+    from dsec.control.views import beat_view, view_of
 
     async with running_worker(settings, stores) as (cp, w):
         await w.beat(CALM)
         live = cp.state.workers[w.id]
-        assert live.view_cache is None  # the beat's judgment kept nothing
-        fresh = view_of(live, keep=False)
-        assert live.view_cache is None and fresh == view_of(live)  # the same view as a kept one
-        kept = view_of(live)
-        assert view_of(live, keep=False) is kept  # still good: handed out again
+        assert live.view_cache is not None  # the first beat's judgment built one and kept it
+        first = live.view_cache[4]
         await w.beat(HOT)
-        assert live.view_cache is not None and live.view_cache[4] is kept  # the beat left the kept one alone
-        now = view_of(live, keep=False)
-        assert now is not kept and now.metrics["sync_latency_ms_p50"] == HOT and now == view_of(live)
+        await w.beat(HOT)
+        assert beat_view(live) is first and live.view_cache[4] is first  # metrics moved on: the same view
+        now = view_of(live)  # a periodic judgment: the latest metrics
+        assert now is not first and now.metrics["sync_latency_ms_p50"] == HOT and live.view_cache[4] is now
+        assert beat_view(live) is now
+        live.directive = replace(live.directive, fields=replace(live.directive.fields, compression_bits=8))
+        changed = beat_view(live)
+        assert changed is not now and changed.fields.compression_bits == 8 and changed == view_of(live)
 
 
 async def test_a_workers_caps_are_kept_until_its_pool_directive_or_safety_floor_changes(

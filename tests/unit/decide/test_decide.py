@@ -152,10 +152,7 @@ def _passes(readings: list[list[float]], memo: object, cards: dict[str, tuple[st
     trends: dict[str, MemoryTrend] = {}
     out: list[object] = []
     for k, used in enumerate(readings):
-        ws = [
-            dataclasses.replace(view(i, metrics={"memory_used_gb": used[i]}), fields=fields[i], device=f"d{i}")
-            for i in range(6)
-        ]
+        ws = [view(i, metrics={"memory_used_gb": used[i]})._replace(fields=fields[i], device=f"d{i}") for i in range(6)]
         trends = observe(trends, ws, 2.0 * k)
         v = plan_pool_quotas(pool, 72.0, ws, QuotaConfig(), 2.0 * k, trends=trends, device_gb=24.0,
                              cards=cards, memo=memo)  # type: ignore[arg-type]  # fmt: skip
@@ -301,8 +298,6 @@ def test_the_fleet_judgment_reports_the_cap_safety_floor() -> None:
 def _card_pass(used: list[list[float]], roles: list[str], held: dict[str, float]) -> list[object]:
     """Quota passes 2 s apart over 4 workers on one 24 GB card (``c0``: devices d0-d3), the room hold ``held``
     updated from each pass's requests as the judge does; each pass's room requests."""
-    import dataclasses
-
     from dsec.decide import observe_memory as observe
 
     cards = {f"d{i}": ("c0", 24.0) for i in range(4)}
@@ -310,10 +305,7 @@ def _card_pass(used: list[list[float]], roles: list[str], held: dict[str, float]
     trends: dict[str, MemoryTrend] = {}
     out: list[object] = []
     for k, row in enumerate(used):
-        ws = [
-            dataclasses.replace(view(i, role=roles[i], metrics={"memory_used_gb": row[i]}), device=f"d{i}")
-            for i in range(4)
-        ]
+        ws = [view(i, role=roles[i], metrics={"memory_used_gb": row[i]})._replace(device=f"d{i}") for i in range(4)]
         trends = observe(trends, ws, 2.0 * k)
         v = plan_pool_quotas(pool, 24.0, ws, QuotaConfig(), 2.0 * k, trends=trends, device_gb=24.0, cards=cards,
                              room_held=held)  # fmt: skip
@@ -344,10 +336,8 @@ def test_no_room_is_made_without_a_learner_on_the_card_or_when_it_is_off() -> No
     assert not any(_card_pass(used, ["actor"] * 4, {}))  # every worker restarts alone: a move costs as much
     cards = {f"d{i}": ("c0", 24.0) for i in range(4)}
     pool = Pool("p", devices=tuple(cards), memory_base_gb=5.0, memory_ceiling_gb=12.0)
-    import dataclasses
-
-    ws = [dataclasses.replace(view(i, role="learner" if i == 0 else "actor", metrics={"memory_used_gb": 6.0}),
-                              device=f"d{i}") for i in range(4)]  # fmt: skip
+    ws = [view(i, role="learner" if i == 0 else "actor", metrics={"memory_used_gb": 6.0})._replace(device=f"d{i}")
+          for i in range(4)]  # fmt: skip
     burst = {"w0": (1.0, 0.0)}  # the learner: ramping at 1 GB/s, a burst seen at t=0; the actors: flat, no burst
     trends = {w.id: MemoryTrend(0.0, 6.0, *burst.get(w.id, (0.0, -math.inf))[:1], 6.0, 0.0,
                                 burst.get(w.id, (0.0, -math.inf))[1]) for w in ws}  # fmt: skip

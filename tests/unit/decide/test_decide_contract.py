@@ -7,7 +7,6 @@ mutant that survived before it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -554,7 +553,7 @@ def test_a_burst_runs_past_the_pools_ceiling_that_every_worker_registers_with() 
 
 
 def on(device: str, w: WorkerView) -> WorkerView:
-    return dataclasses.replace(w, device=device)
+    return w._replace(device=device)
 
 
 def test_a_bursts_limit_is_what_its_card_mates_leave_free_not_what_the_pool_has() -> None:
@@ -589,7 +588,7 @@ def test_grants_on_one_card_add_up_to_that_card_not_to_the_pool() -> None:
     assert len(grants) == 4 and sum(grants) <= 20.0 + 1e-9 and max(grants) > 4.0
     assert v.accounting.granted_gb <= 20.0 + 1e-9 and v.accounting.capacity_gb == 40.0
     # Without a device, as before: the pool's capacity is what they share.
-    loose = plan_pool_quotas(pool, 40.0, [dataclasses.replace(w, device=None) for w in ws], QuotaConfig(), 3.0,
+    loose = plan_pool_quotas(pool, 40.0, [w._replace(device=None) for w in ws], QuotaConfig(), 3.0,
                              device_gb=20.0, cards=cards)  # fmt: skip
     assert loose.accounting.granted_gb > 20.0
 
@@ -682,3 +681,23 @@ def test_latency_floors_over_many_pools_are_the_rule_per_pool() -> None:
         assert (None if math.isnan(got) else got) == want
         assert safe_latency_floor([None if math.isnan(c) else c for c in row], cap, 3, 0.2) == want
     assert np.isnan(floors).sum() not in (0, 400)  # both outcomes occur
+
+
+def test_a_beats_judgment_reads_the_beats_metrics_never_the_views() -> None:
+    """The control plane hands a beat's judgment a kept view whose metrics may be older (control/views.beat_view):
+    the same beats judged with views carrying other metrics must decide the same, step by step."""
+    events = (anomaly(kind="non_finite_gradient", grad_norm="inf"), anomaly(kind="episode_stuck", count=2))
+    stream = [({"sync_latency_ms_p50": 90.0 + k, "grad_norm": 1.0 + (40.0 if k == 9 else 0.0),
+                "step_ms_mean": 120.0}, events if k == 12 else ()) for k in range(16)]  # fmt: skip
+    runs = []
+    for view_metrics in ("beat", {}, {"sync_latency_ms_p50": 1.0, "grad_norm": 1e9, "step_ms_mean": 1e6}):
+        breaker, guard, out = Breaker(), PrecisionGuard(min_history=3), []
+        for k, (metrics, evs) in enumerate(stream):
+            w = view(role="actor", precision="bf16", metrics=metrics if view_metrics == "beat" else view_metrics)
+            b = BeatInputs(w, POOL, caps_for(POOL.thresholds, POOL.memory_ceiling_gb, w.fields), metrics, evs, 0,
+                           7.0 + k)  # fmt: skip
+            v = judge_beat(b, breaker, guard)
+            out.append((v.patch, [(e.type, e.data) for e in v.events], breaker.level, breaker.phase))
+        runs.append(out)
+    assert runs[0] == runs[1] == runs[2]
+    assert any(patch for patch, *_ in runs[0])  # the stream decides something (the breaker, the guard)
