@@ -151,6 +151,16 @@ def wait_for(
 
 
 # -- the control plane ----------------------------------------------------------------------------
+class VirtualClock:
+    """A control plane's clock that a test moves by hand (``clock.now += 2.5``)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_settings(home: Path, **overrides: Any) -> Settings:
     """Test settings: a SQLite file under ``home``, the test admin token, short intervals."""
     opts: dict[str, Any] = {

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dsec.control.reconcile as reconcile_mod
-from conftest import ADMIN_TOKEN, make_settings
+from conftest import ADMIN_TOKEN, VirtualClock, make_settings
 from dsec.control.liveness import Beat, overdue, scan
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.service import ControlPlane
@@ -51,21 +51,13 @@ def test_scan_finds_what_overdue_finds_and_nobody_is_overdue_before_its_bound(
         assert quiet_until == float("inf")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = NOW
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> VirtualClock:
+    return VirtualClock(NOW)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def cp(tmp_path: Path, clock: Clock) -> AsyncIterator[ControlPlane]:
+async def cp(tmp_path: Path, clock: VirtualClock) -> AsyncIterator[ControlPlane]:
     settings = make_settings(tmp_path)
     store = open_store(settings.database_url)
     plane = ControlPlane(settings, store, clock)
@@ -95,7 +87,7 @@ async def _register(cp: ControlPlane, interval_s: float) -> str:
     return str(reg["worker_id"])
 
 
-async def test_no_scan_while_nobody_can_be_overdue(cp: ControlPlane, clock: Clock, scans: list[float]) -> None:
+async def test_no_scan_while_nobody_can_be_overdue(cp: ControlPlane, clock: VirtualClock, scans: list[float]) -> None:
     slow = await _register(cp, 10.0)  # lost after 3 x 10 s of silence
     await cp.reconcile()
     assert len(scans) == 1 and cp.state.quiet_until == pytest.approx(NOW + 30.0)
@@ -109,7 +101,7 @@ async def test_no_scan_while_nobody_can_be_overdue(cp: ControlPlane, clock: Cloc
 
 
 async def test_a_worker_registered_after_a_scan_is_lost_on_time(
-    cp: ControlPlane, clock: Clock, scans: list[float]
+    cp: ControlPlane, clock: VirtualClock, scans: list[float]
 ) -> None:
     await _register(cp, 10.0)
     await cp.reconcile()  # the bound is 30 s away
@@ -122,7 +114,7 @@ async def test_a_worker_registered_after_a_scan_is_lost_on_time(
 
 
 async def test_a_worker_back_from_lost_is_lost_again_on_time(
-    cp: ControlPlane, clock: Clock, scans: list[float]
+    cp: ControlPlane, clock: VirtualClock, scans: list[float]
 ) -> None:
     await _register(cp, 10.0)
     fast = await _register(cp, 1.0)
@@ -140,7 +132,7 @@ async def test_a_worker_back_from_lost_is_lost_again_on_time(
     assert await cp.reconcile() == [fast]
 
 
-async def test_a_pass_judging_an_earlier_time_scans(cp: ControlPlane, clock: Clock, scans: list[float]) -> None:
+async def test_a_pass_judging_an_earlier_time_scans(cp: ControlPlane, clock: VirtualClock, scans: list[float]) -> None:
     await _register(cp, 10.0)
     await cp.reconcile()
     clock.now -= 5.0  # the clock stepped back (or a stall moved the judged time back): the bound is not trusted
