@@ -26,7 +26,9 @@ directive every ``--directive-every`` s (each PATCH answered with the new versio
    worker's beats were accepted again (``resume_s_max``: restart ready -> a worker's first accepted beat; it should
    be within one interval plus one backoff step).
 
-The last stdout line is one JSON object.
+The last stdout line is one JSON object. ``--latencies OUT`` also writes the soak phase's batch requests, one
+``[answered at (unix time), seconds]`` per line, to line up with a trace of the server (docs/benchmarks.md,
+2026-12-07).
 
     .venv/bin/python benchmarks/soak.py                                   # 10,000 workers, 10 min + crash
     .venv/bin/python benchmarks/soak.py --workers 1000 --duration 60 --after-kill 30
@@ -190,6 +192,9 @@ async def soak(args: argparse.Namespace, server: ServerProcess, tokens: list[str
                             "worker_beats_per_s": round(beats / args.window, 1)})  # fmt: skip
             print(f"soak {windows[-1]}", file=sys.stderr)
         soaked = list(s.lat)  # the soak phase's latencies, for the summary's steady-phase figures
+        if args.latencies:
+            wall = time.time() - time.monotonic()
+            Path(args.latencies).write_text("".join(f"[{t + wall:.4f}, {x:.4f}]\n" for t, x in soaked))
         s.lat.clear()
         s.beats.clear()
         s.killed_at = time.monotonic()
@@ -301,6 +306,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--event-ratio", type=float, default=0.01)
     ap.add_argument("--directive-every", type=float, default=1.0)
     ap.add_argument("--backoff-cap", type=float, default=5.0)
+    ap.add_argument(
+        "--latencies",
+        default=None,
+        metavar="OUT",
+        help="write every batch request's (answered at, seconds) here, one JSON pair per line (wall-clock time, to "
+        "line up with the server's own logs)",
+    )
     ap.add_argument(
         "--postgres",
         action="store_true",
