@@ -36,11 +36,13 @@ BEATS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(beats=BEATS, after=st.integers(1, 5), later=st.floats(0, 600))
-def test_scan_finds_what_overdue_finds_and_nobody_is_overdue_before_its_bound(
+def test_scan_finds_the_overdue_workers_and_nobody_is_overdue_before_its_bound(
     beats: list[Beat], after: int, later: float
 ) -> None:
     late, quiet_until = scan(beats, NOW, after)
-    assert late == overdue(beats, NOW, after)
+    # The rule written out, not through scan (overdue is scan's first half).
+    rule = [b.worker_id for b in beats if b.state is WorkerState.ACTIVE and NOW - b.last_beat_at > after * b.interval_s]
+    assert late == rule == overdue(beats, NOW, after)
     # Until the bound (less the reconcile pass's margin) no worker is overdue, whatever the time in between.
     t = min(NOW + later, quiet_until - reconcile_mod.QUIET_MARGIN_S)
     assert overdue(beats, t, after) == []
