@@ -16,8 +16,8 @@ from dsec.model import DirectiveFields, WorkerState
 
 class WorkerView(NamedTuple):
     """Immutable as a named tuple: the control plane makes one per active worker whose metrics changed, for every
-    periodic pass (10,000 on a large pool), and a frozen dataclass (an ``object.__setattr__`` per field) cost ~3 µs
-    each, ~30 ms of a pass on the event loop; a named tuple is built in C."""
+    periodic pass (10,000 on a large pool, on the event loop). Constructing one takes ~0.27 µs, a frozen dataclass
+    (an ``object.__setattr__`` per field) ~0.92 µs (timeit, best of 5, 2026-12-07)."""
 
     id: str
     pool: str

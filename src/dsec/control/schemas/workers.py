@@ -130,8 +130,8 @@ def gauge_inputs(v: dict[str, float]) -> dict[str, float]:
 class PlainBeat(NamedTuple):
     """A heartbeat that ``plain_beat`` found valid without pydantic: what ``HeartbeatRequest`` would hold for it (the
     fields the control plane reads; no events, no inferred role). A named tuple, not a frozen dataclass: made for
-    every beat of a node agent's batch, it costs ~0.2 µs instead of ~0.9 (a frozen dataclass sets each field through
-    ``object.__setattr__``)."""
+    every beat of a node agent's batch, it takes ~0.23 µs to construct instead of ~0.60 (a frozen dataclass sets each
+    field through ``object.__setattr__``; timeit, best of 5, 2026-12-07)."""
 
     seq: int
     acked_directive_version: int
