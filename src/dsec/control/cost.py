@@ -6,7 +6,6 @@ held the GIL ~0.6 s at 10,000 workers, docs/benchmarks.md "Soak and crash")."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 
 import psutil
 
+from dsec.control.cpu_thread import run_cpu_bound
 from dsec.control.ports import Clock
 from dsec.control.settings import Settings
 from dsec.control.state import HotState, LiveWorker
@@ -107,7 +107,7 @@ class CostMeter:
             for w in list(self.state.workers.values())
             if (pool is None or w.pool == pool) and w.registered_at < window.until
         ]
-        return await asyncio.to_thread(self._account, live, window, pool, now)
+        return await run_cpu_bound(self._account, live, window, pool, now)
 
     def _account(self, live: list[WorkerRecord], window: Window, pool: str | None, now: float) -> CostReport:
         # The state replay needs each worker's whole life: from the earliest registration still held (or the
@@ -143,7 +143,7 @@ class CostMeter:
         try:
             window = Window(max(0.0, now - DEFAULT_WINDOW_S), now)
             live = [worker_record(w) for w in list(self.state.workers.values()) if w.registered_at < window.until]
-            self.last = await asyncio.to_thread(self._gauge_report, live, window, now)
+            self.last = await run_cpu_bound(self._gauge_report, live, window, now)
         except Exception:  # the gauges keep the previous report; the next pass retries
             self._ledger = None  # and reads the store afresh
             log.exception("cost report for the gauges failed")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -11,6 +10,7 @@ from dataclasses import replace
 
 from dsec.control import errors, retention
 from dsec.control.beats import Beats
+from dsec.control.cpu_thread import run_cpu_bound
 from dsec.control.directives import Directives
 from dsec.control.eventlog import DurableLog
 from dsec.control.judge import Judge
@@ -108,8 +108,9 @@ class Reconciler:
         if inputs.workers >= OFF_LOOP_WORKERS:
             # At thousands of workers the fleet and quota judgments take 100+ ms of CPU: on a thread (they read
             # only frozen views and copies) the event loop keeps answering beats meanwhile, instead of holding
-            # every beat that arrives during the pass (the GIL still shares one core: latency, not throughput).
-            result = await asyncio.to_thread(inputs.run)
+            # every beat that arrives during the pass (the GIL still shares one core: latency, not throughput), and
+            # with finer GIL switching meanwhile, so the writer's commits do not wait behind it (control/cpu_thread.py).
+            result = await run_cpu_bound(inputs.run)
         else:
             result = inputs.run()
         changes, events = self.judge.finish_periodic(inputs, result)

@@ -5,6 +5,7 @@ worker that leaves meanwhile staying forgotten. Real control planes over real SQ
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 import dsec.control.reconcile as reconcile_mod
 from conftest import ADMIN_TOKEN, make_settings
+from dsec.control.cpu_thread import FINE_SWITCH_S
 from dsec.control.judge import PeriodicInputs
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
 from dsec.control.service import ControlPlane
@@ -92,10 +94,12 @@ async def test_judgments_off_the_loop_decide_what_they_decide_on_it(
     on_loop, ranks_a = await make_cp("a")
     off_loop, ranks_b = await make_cp("b")
     ran_on: list[str] = []
+    intervals: list[float] = []
     real_run = PeriodicInputs.run
 
     def run(self: PeriodicInputs) -> Any:
         ran_on.append(threading.current_thread().name)
+        intervals.append(sys.getswitchinterval())
         return real_run(self)
 
     monkeypatch.setattr(PeriodicInputs, "run", run)
@@ -105,6 +109,8 @@ async def test_judgments_off_the_loop_decide_what_they_decide_on_it(
     await off_loop.reconcile()
 
     assert ran_on[0] == threading.main_thread().name and ran_on[1] != threading.main_thread().name
+    # Off the loop, with finer GIL switching (control/cpu_thread.py); on it, the interval is left as it was.
+    assert intervals[0] == sys.getswitchinterval() > FINE_SWITCH_S and intervals[1] <= FINE_SWITCH_S
     a, b = by_rank(on_loop, ranks_a), by_rank(off_loop, ranks_b)
     assert a == b
     assert a["flags"][STRAGGLER] == ["step_ms_mean"]  # the pass did judge: the straggler is flagged...
