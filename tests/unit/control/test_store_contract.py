@@ -7,6 +7,9 @@ reason.
 
 from __future__ import annotations
 
+import math
+import random
+import struct
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -217,6 +220,43 @@ class TestStoreContract:
         )  # fmt: skip
         assert rows["w-0"] == worker_row("w-0")
 
+    def test_hot_rows_keep_every_float_and_integer_exactly(self, store: Store) -> None:
+        """The hot rows go to the database as one JSON array (``SqlStore._write_hot``): every finite double — random
+        bit patterns, the extremes, unix times with microseconds — and 64-bit integer comes back bit for bit."""
+        rnd = random.Random(20261207)
+        extremes = [5e-324, -5e-324, 2.2250738585072014e-308, 1.7976931348623157e308, -1.7976931348623157e308, 1e-7,
+                    0.1, 1 / 3, 2.0**53 + 2, T0, -0.0]  # fmt: skip
+
+        def double() -> float:
+            while True:
+                x: float = struct.unpack("<d", rnd.getrandbits(64).to_bytes(8, "little"))[0]
+                if math.isfinite(x):
+                    return x
+
+        n = 300
+        rows = [worker_row(f"w-{i}") for i in range(n)]
+        store.write(WriteBatch(workers=rows))
+        hot = [
+            HotRow(
+                f"w-{i}",
+                extremes[i] if i < len(extremes) else (T0 + rnd.random() * 1e6 if i % 2 else double()),
+                rnd.getrandbits(63),
+                rnd.getrandbits(31),
+                rnd.getrandbits(63),
+                {f"m{k}": double() for k in range(rnd.randint(0, 8))} | {"edge": extremes[i % len(extremes)]},
+            )
+            for i in range(n)
+        ]
+        store.write(WriteBatch(hot=hot))
+        back = {r.id: r for r in store.list_workers()}
+        for h in hot:
+            r = back[h.id]
+            got = (r.last_beat_at, r.last_seq, r.acked_version, r.beats, dict(r.metrics))
+            assert got == (h.last_beat_at, h.last_seq, h.acked_version, h.beats, dict(h.metrics)), h.id
+            if h.last_beat_at != 0.0:  # SQLite stores an integral REAL as an integer: -0.0 reads back 0.0 (so it
+                # did before the one-statement form)
+                assert struct.pack("<d", r.last_beat_at) == struct.pack("<d", h.last_beat_at), h.id
+
     def test_directives_are_upserted(self, store: Store) -> None:
         store.write(WriteBatch(directives=[directive("w-1", 1), directive("w-2", 1, precision="bf16")]))
         store.write(
@@ -264,6 +304,33 @@ class TestStoreContract:
         assert [e.id for e in stored] == first + second
         assert [e.data.get("msg") for e in stored[:5]] == ["0", "1", "2", "3", "4"]
         assert store.count_events() == 7
+
+    def test_many_events_in_one_batch_keep_their_data_and_get_their_own_ids(self, store: Store) -> None:
+        """Events go to SQLite as one JSON array (``_insert_events_sqlite``): each comes back with the id it was
+        answered, in order, its data as written — escapes, control characters, 64-bit integers, nulls."""
+        tricky = ['quote " and \\ backslash', "line\nbreak\ttab", "\x01\x1f ctrl", "\u2028\u2029", "😀 ✓ ünï", ""]
+        rnd = random.Random(5)
+        evs = [
+            Event(
+                ts=T0 + rnd.random() * 1e4,
+                type=list(EventType)[i % len(EventType)],
+                worker_id=None if i % 7 == 0 else f"w-{i}",
+                pool=None if i % 5 == 0 else "pool-a",
+                data={
+                    "i": i,
+                    "s": tricky[i % len(tricky)],
+                    tricky[i % len(tricky)]: [2**63 - 1, -(2**63), None, 0.1],
+                    "f": rnd.random() * 10 ** rnd.randint(-300, 300),
+                    "nested": {"t": True, "l": []},
+                },
+            )
+            for i in range(200)
+        ]
+        ids = store.write(WriteBatch(events=evs[:3])) + store.write(WriteBatch(events=evs[3:]))
+        assert ids == sorted(ids) and len(set(ids)) == 200
+        back = all_events(store)
+        assert [e.id for e in back] == ids
+        assert [replace(e, id=None) for e in back] == evs
 
     def test_events_round_trip(self, store: Store) -> None:
         data = {
@@ -501,3 +568,75 @@ def test_json_columns_hold_the_values_json_dumps_wrote() -> None:
     value = {"a": [1, 2.5, True, None, "é\u0000x"], "nested": {"t": (1, 2)}, 3: "int key", "big": 2**63}
     assert json.loads(json_dumps(value)) == json.loads(json.dumps(value))
     assert json.loads(json_dumps({"x": float("nan"), "y": float("inf")})) == {"x": None, "y": None}
+
+
+def hot_metrics(rnd: random.Random) -> dict[str, float]:
+    return {"loss": rnd.random(), "nan": float("nan"), "big": rnd.random() * 1e300, "neg": -rnd.random()}
+
+
+def test_hot_rows_one_statement_writes_what_the_executemany_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SQLite without ``UPDATE ... FROM`` (older than 3.38) takes the executemany: both write the same rows."""
+    import dsec.control.store.sql as sql
+
+    rnd = random.Random(7)
+    hot = [
+        HotRow(f"w-{i}", T0 + rnd.random() * 1e5, rnd.getrandbits(40), i, rnd.getrandbits(40), hot_metrics(rnd))
+        for i in range(50)
+    ] + [HotRow("w-gone", T0, 1, 1, 1, {"x": 1.0})]
+    out = []
+    for one in (True, False):
+        monkeypatch.setattr(sql, "_SQLITE_ONE_STATEMENT", one)
+        store = open_store(f"sqlite:///{tmp_path / f'{one}.db'}")
+        try:
+            store.write(WriteBatch(workers=[worker_row(f"w-{i}") for i in range(50)]))
+            store.write(WriteBatch(hot=hot))
+            out.append(store.list_workers())
+        finally:
+            store.close()
+    assert out[0] == out[1]
+    assert {r.id for r in out[0]} == {f"w-{i}" for i in range(50)}  # the gone worker was not brought back
+    assert out[0][0].metrics["nan"] is None and out[0][0].last_seq == hot[0].last_seq
+
+
+def test_events_near_the_largest_rowid_take_their_ids_from_returning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Near SQLite's largest rowid the ids are not counted: the insert takes the ids RETURNING answers. (The largest
+    rowid is lowered here to reach that branch.)"""
+    import dsec.control.store.sql as sql
+
+    store = open_store(f"sqlite:///{tmp_path / 'max.db'}")
+    try:
+        counted = store.write(WriteBatch(events=[event(msg=str(i)) for i in range(3)]))
+        assert counted == [1, 2, 3]
+        monkeypatch.setattr(sql, "_MAX_ROWID", 8)
+        calls: list[Any] = []
+        real = sql._insert_events_sqlite
+        monkeypatch.setattr(sql, "_insert_events_sqlite", lambda conn, evs: calls.append(real(conn, evs)) or calls[-1])
+        ids = store.write(WriteBatch(events=[event(msg=str(i)) for i in range(3, 8)]))
+        assert calls == [None]  # 4..8 would reach the largest: not counted
+        assert ids == [4, 5, 6, 7, 8]
+        assert [(e.id, e.data["msg"]) for e in all_events(store)] == [(i + 1, str(i)) for i in range(8)]
+    finally:
+        store.close()
+
+
+def test_event_ids_that_cannot_be_counted_fail_the_write_and_write_nothing(tmp_path: Path) -> None:
+    """Should the ids not be the largest + 1, + 2, ... (here a trigger inserts a row of its own after each), the write
+    fails with a store error and writes nothing, rather than answer ids that may be another row's."""
+    store = open_store(f"sqlite:///{tmp_path / 'gaps.db'}")
+    try:
+        store.write(WriteBatch(events=[event(msg="before")]))
+        with store._engine.begin() as conn:  # type: ignore[attr-defined]
+            conn.exec_driver_sql(
+                "CREATE TRIGGER shadow AFTER INSERT ON events WHEN NEW.type != 'recovery' BEGIN "
+                "INSERT INTO events (ts, type, data) VALUES (NEW.ts, 'recovery', '{}'); END"
+            )
+        with pytest.raises(StoreError, match="should end at id 3"):
+            store.write(WriteBatch(workers=[worker_row()], events=[event(msg=str(i)) for i in range(2)]))
+        assert [e.data["msg"] for e in all_events(store)] == ["before"]
+        assert store.list_workers() == []
+    finally:
+        store.close()
