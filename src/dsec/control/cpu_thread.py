@@ -35,15 +35,16 @@ _saved = 0.0  # the interval the first of them found
 
 
 @contextmanager
-def finer_switching(interval_s: float = FINE_SWITCH_S) -> Iterator[None]:
-    """The interpreter's switch interval at most ``interval_s`` inside the block; restored when the last open block
-    ends (normally or by an exception)."""
+def finer_switching() -> Iterator[None]:
+    """The interpreter's switch interval at most :data:`FINE_SWITCH_S` inside the block; restored when the last open
+    block ends (normally or by an exception). One interval for every caller: blocks that overlap share the first
+    one's lowering, so a per-call interval could not be honoured."""
     global _depth, _saved
     with _lock:
         if _depth == 0:
             _saved = sys.getswitchinterval()
-            if interval_s < _saved:
-                sys.setswitchinterval(interval_s)
+            if _saved > FINE_SWITCH_S:
+                sys.setswitchinterval(FINE_SWITCH_S)
         _depth += 1
     try:
         yield
