@@ -130,7 +130,9 @@ def step_lines(tmp_path: Path, worker: str) -> list[dict[str, Any]]:
     path = tmp_path / "logs" / f"{worker}.log"
     if not path.exists():
         return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.startswith('{"rank"')]
+    # Read while the ranks still write: a last line without its newline is a write in progress, not a step yet.
+    done = path.read_text().rpartition("\n")[0]
+    return [json.loads(ln) for ln in done.splitlines() if ln.startswith('{"rank"')]
 
 
 def steps_of(tmp_path: Path, worker: str) -> list[dict[str, Any]]:
