@@ -13,6 +13,7 @@ slowest requests.
 So while such work runs, the switch interval is lowered to :data:`FINE_SWITCH_S` and then put back. The interval is
 the interpreter's, for every thread: calls that overlap share one lowering (the first saves the interval, the last
 restores it), and an interval already finer than ours is left as it is.
+
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
+
+from dsec import pacing
 
 #: The switch interval while CPU-bound work runs beside the event loop and the writer, in seconds.
 FINE_SWITCH_S = 0.0005
@@ -56,10 +59,11 @@ def finer_switching() -> Iterator[None]:
 
 
 def _run_finer(fn: Callable[..., T], *args: Any) -> T:
-    with finer_switching():
+    with finer_switching(), pacing.giving_way():
         return fn(*args)
 
 
 async def run_cpu_bound(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a worker thread (``asyncio.to_thread``) with finer GIL switching while it runs."""
+    """``fn(*args)`` on a worker thread (``asyncio.to_thread``) with finer GIL switching while it runs, giving way to
+    heartbeat requests at the checkpoints ``fn`` reaches (``dsec.pacing``)."""
     return await asyncio.to_thread(_run_finer, fn, *args)

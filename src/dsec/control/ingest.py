@@ -25,6 +25,7 @@ import orjson
 import pydantic_core
 from pydantic import ValidationError
 
+from dsec import pacing
 from dsec.control.auth import bearer
 from dsec.control.errors import ApiError
 from dsec.control.http import validation_details
@@ -53,7 +54,14 @@ async def handle_heartbeat(
     """(status, JSON body) for one heartbeat request; never raises for bad input.
 
     The token is checked before the body is parsed: parsing costs more than the check, and only the worker itself
-    may make the control plane spend it."""
+    may make the control plane spend it. While it is answered, the judgments' thread gives way (dsec/pacing.py)."""
+    with pacing.request():
+        return await _heartbeat(cp, metrics, worker_id, authorization, body)
+
+
+async def _heartbeat(
+    cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, worker_id: str, authorization: str | None, body: bytes
+) -> tuple[int, dict[str, Any]]:
     try:
         w = cp.worker_for(worker_id, bearer(authorization))
     except ApiError as exc:
@@ -100,7 +108,15 @@ async def handle_batch(
     through — its own token against its ``worker_id`` first, then its fields, then the beat itself — and gets its
     own result: the single-beat answer with ``status`` 200, or that route's error body with ``status`` and ``index``.
     One bad item never fails the others. Items whose beat must be committed (events, a new directive) wait for
-    the group commit together, not one after the other."""
+    the group commit together, not one after the other. While it is answered, the judgments' thread gives way
+    (dsec/pacing.py): a batch is ~30 ms of pure Python at 500 items, which a pass sharing the GIL made twice as long."""
+    with pacing.request():
+        return await _batch(cp, metrics, authorization, body)
+
+
+async def _batch(
+    cp: HeartbeatEndpoint, metrics: ControlPlaneMetrics, authorization: str | None, body: bytes
+) -> tuple[int, dict[str, Any]]:
     try:
         cp.batch_sender(bearer(authorization))
     except ApiError as exc:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dsec import pacing
 from dsec.alerts import Alert, AlertRouter, Severity
 from dsec.breaker import Breaker, BreakerConfig, Caps
 from dsec.control.views import beat_view, view_of
@@ -386,6 +387,7 @@ class PeriodicInputs:
         trends = observe_memory(self.trends, [w for ws in self.by_pool.values() for w in ws], now)
         quotas = {}
         for name, pool in self.pools.items():
+            pacing.checkpoint()
             capacity, device_gb = self.memory[name]
             ws = self.by_pool.get(name, [])
             memo = self.quota_memo.setdefault(name, {})

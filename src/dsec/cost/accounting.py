@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec import pacing
 from dsec.cost.phases import (
     METRIC_HISTORY_NOTE,
     NO_THROUGHPUT_NOTE,
@@ -292,7 +293,7 @@ def tally(
     no_device: list[str] = []
     unknown_progress: list[str] = []
     step_estimates = 0
-    for w in workers:
+    for w in pacing.paced(workers):  # the control plane's gauges refresh runs this on a thread that gives way
         handovers = [t for t, other in registrations.get(w.device or "", ()) if other != w.id and t > w.registered_at]
         segs = segments_of(w, handovers)
         if not segs:

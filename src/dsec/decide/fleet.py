@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dsec import pacing
 from dsec.alerts.model import Severity
 from dsec.decide.caps import latency_signal, safe_latency_floor
 from dsec.decide.pause import learner_step_ms
@@ -61,7 +62,7 @@ def judge_pool(
     worker's flags before) and for the pool's sync slowdown starting (``was_slow``: it was already reported)."""
     # A view's metrics are immutable: the comparison reads them in place (``PeerSample.value`` takes only finite
     # numbers, not bools) instead of a copy of the compared names per worker.
-    samples = [PeerSample(w.id, w.role, w.group, w.metrics) for w in workers if w.metrics]
+    samples = [PeerSample(w.id, w.role, w.group, w.metrics) for w in pacing.paced(workers) if w.metrics]
     report = compare(samples, config)
     flagged = report.outliers_by_worker()
     verdict = FleetVerdict(
@@ -69,7 +70,8 @@ def judge_pool(
         actors=sum(1 for w in workers if w.role == "actor"),
         learner_step_ms=learner_step_ms(workers),
     )
-    for w in workers:
+    pacing.checkpoint()
+    for w in pacing.paced(workers):
         before = previous.get(w.id, set())
         if not before and w.id not in flagged:  # the common case: nothing flagged before or now
             verdict.flags[w.id] = set()
@@ -82,7 +84,7 @@ def judge_pool(
             verdict.events.append(Event(ts=now, type=EventType.ANOMALY, worker_id=w.id, pool=w.pool, data=data))
         verdict.flags[w.id] = set(now_flags)
     if pool is not None:
-        costs = [latency_signal(w.metrics) for w in workers]
+        costs = [latency_signal(w.metrics) for w in pacing.paced(workers)]
         verdict.slow_pool, alert = _pool_slowdown(pool, costs, was_slow, config, now)
         verdict.events += alert
         verdict.latency_floor_ms = safe_latency_floor(costs, pool.thresholds.latency_cap_ms, config.min_peers, margin)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsec import pacing
 from dsec.decide.caps import finite
 from dsec.decide.verdicts import Change
 from dsec.decide.views import WorkerView
@@ -56,7 +57,7 @@ def observe_memory(
     ids: list[str] = []
     olds: list[MemoryTrend] = []
     readings: list[float] = []
-    for w in workers:
+    for w in pacing.paced(workers):
         used = finite(w.metrics, "memory_used_gb")
         old = trends.get(w.id)
         if used is None:
@@ -132,13 +133,14 @@ def plan_pool_quotas(
 
     def planned(key: str | None, ws: list[WorkerView], capacity: float | None, one: float | None) -> QuotaPlan:
         # The plan's inputs as plain tuples first (cheap to compare); WorkerMemory (validated) only to plan.
-        rows = [_member_row(pool, w, trends, now) for w in ws]
+        rows = [_member_row(pool, w, trends, now) for w in pacing.paced(ws)]
         inputs = (capacity, one, pool.memory_base_gb, pool.memory_ceiling_gb, config, rows)
         before = last.get(key)
         if before is not None and before[0] == inputs and not (before[1].changes or before[1].limit_changes):
             result = before[1]
         else:
-            members = [WorkerMemory(*row) for row in rows]
+            members = [WorkerMemory(*row) for row in pacing.paced(rows)]
+            pacing.checkpoint()
             result = plan(capacity, pool.memory_base_gb, pool.memory_ceiling_gb, members, config, device_gb=one)
         kept[key] = (inputs, result)
         return result

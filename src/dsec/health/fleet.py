@@ -36,6 +36,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dsec import pacing
+
 Direction = Literal["high", "low", "both"]
 DIRECTIONS: tuple[Direction, ...] = ("high", "low", "both")
 
@@ -279,7 +281,7 @@ def compare(samples: Iterable[PeerSample], config: FleetConfig | None = None) ->
     config = config if config is not None else FleetConfig()
     by_role: dict[str, list[PeerSample]] = {}
     seen: set[str] = set()
-    for sample in samples:
+    for sample in pacing.paced(samples):
         if sample.worker_id in seen:
             raise ValueError(f"worker_id={sample.worker_id!r} appears more than once: expected one sample per worker")
         seen.add(sample.worker_id)
@@ -291,6 +293,7 @@ def compare(samples: Iterable[PeerSample], config: FleetConfig | None = None) ->
         peers = by_role[role]
         metrics = [s.metrics for s in peers]
         for spec in config.features:
+            pacing.checkpoint()  # each feature is a few passes over the role's peers
             index, values = _finite_column(metrics, spec.name)
             if not values:
                 continue

@@ -15,6 +15,7 @@ import pytest
 
 import dsec.control.reconcile as reconcile_mod
 from conftest import ADMIN_TOKEN, make_settings
+from dsec import pacing
 from dsec.control.cpu_thread import FINE_SWITCH_S
 from dsec.control.judge import PeriodicInputs
 from dsec.control.schemas import HeartbeatRequest, RegisterRequest
@@ -115,6 +116,33 @@ async def test_judgments_off_the_loop_decide_what_they_decide_on_it(
     assert a == b
     assert a["flags"][STRAGGLER] == ["step_ms_mean"]  # the pass did judge: the straggler is flagged...
     assert a["quota"][0] is not None and a["quota"][0] > 4.0  # ...and the ramping workers got grants
+
+
+async def test_judgments_that_give_way_to_requests_decide_the_same(
+    make_cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass off the loop pauses at its checkpoints while a request is in progress (dsec/pacing.py): the pauses
+    change when it finishes, never what it decides."""
+    plain, ranks_a = await make_cp("a")
+    paced, ranks_b = await make_cp("b")
+    monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 1)
+    await plain.reconcile()
+    pauses: list[float] = []
+    real_checkpoint = pacing.checkpoint
+
+    def checkpoint() -> float:
+        paused = real_checkpoint()
+        pauses.append(paused)
+        return paused
+
+    monkeypatch.setattr(pacing, "checkpoint", checkpoint)
+    monkeypatch.setattr(pacing, "EVERY", 2)  # RANKS workers: a checkpoint every other one
+    monkeypatch.setattr(pacing, "MIN_RUN_S", 0.0)
+    monkeypatch.setattr(pacing, "MAX_PAUSE_S", 0.01)
+    with pacing.request():  # a request in progress for the whole pass
+        await paced.reconcile()
+    assert sum(1 for p in pauses if p > 0) >= 5  # it did give way, at many points of the pass
+    assert by_rank(plain, ranks_a) == by_rank(paced, ranks_b)
 
 
 async def test_the_loop_answers_while_the_judgments_run(make_cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
