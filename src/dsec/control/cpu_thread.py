@@ -14,6 +14,12 @@ So while such work runs, the switch interval is lowered to :data:`FINE_SWITCH_S`
 the interpreter's, for every thread: calls that overlap share one lowering (the first saves the interval, the last
 restores it), and an interval already finer than ours is left as it is.
 
+The event loop under load is such a thread too: answering a batch of 500 beats computes for ~20 ms at a time, and
+the commit its own items wait for needs the GIL between its SQLite steps. So the control plane keeps the finer
+interval for as long as it serves (``create_app``'s lifespan holds a :func:`finer_switching` block): in a traced
+soak (10,000 workers, 1,000 beats/s in batches of 500) the commits' median fell from 4.4 to 1.8 ms
+(docs/benchmarks.md). A finer interval costs nothing while one thread runs alone: it only bounds how long a thread
+that wants the GIL waits for it.
 """
 
 from __future__ import annotations
