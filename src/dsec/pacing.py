@@ -37,7 +37,7 @@ BUDGET_S = 0.5
 #: Items between two checkpoints of :func:`paced` (at 10,000 workers, ~1 ms of per-worker work).
 EVERY = 256
 
-_in_progress = 0  # requests being answered now (changed on the event loop's thread only)
+_in_progress = 0  # requests being answered now
 _lock = threading.Lock()
 _giving_way: dict[int, list[float]] = {}  # thread id -> [when it last resumed (or started), seconds paused so far]
 
@@ -46,11 +46,13 @@ _giving_way: dict[int, list[float]] = {}  # thread id -> [when it last resumed (
 def request() -> Iterator[None]:
     """Mark a request in progress: threads that give way pause at their checkpoints until none is."""
     global _in_progress
-    _in_progress += 1
+    with _lock:  # one event loop per control plane, but a process may run several (tests): += is not atomic
+        _in_progress += 1
     try:
         yield
     finally:
-        _in_progress -= 1
+        with _lock:
+            _in_progress -= 1
 
 
 def in_progress() -> int:
