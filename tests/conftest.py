@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -97,6 +98,20 @@ def _kill_leftovers(procs: list[psutil.Process]) -> None:
             else:
                 p.kill()
     psutil.wait_procs(procs, timeout=10)
+
+
+#: CPython's default switch interval, which the tests of a finer one start from.
+DEFAULT_SWITCH_S = 0.005
+
+
+@pytest.fixture
+def default_switch_interval() -> Iterator[float]:
+    """The interpreter's GIL switch interval at CPython's default for the test (control/cpu_thread.py lowers it),
+    whatever it was before; put back after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(DEFAULT_SWITCH_S)
+    yield DEFAULT_SWITCH_S
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture(autouse=True)

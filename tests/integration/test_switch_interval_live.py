@@ -5,22 +5,16 @@ event loop answering the batch)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from conftest import DEFAULT_SWITCH_S
 from dsec.control.cpu_thread import FINE_SWITCH_S
 
-DEFAULT = 0.005
-
-
-@pytest.fixture(autouse=True)
-def _interval() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(DEFAULT)
-    yield
-    sys.setswitchinterval(before)
+DEFAULT = DEFAULT_SWITCH_S
+pytestmark = pytest.mark.usefixtures("default_switch_interval")
 
 
 def test_the_interval_is_finer_while_the_control_plane_serves(server_factory: Callable[..., Any]) -> None:

@@ -6,21 +6,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Iterator
 
 import pytest
 
+from conftest import DEFAULT_SWITCH_S
 from dsec.control.cpu_thread import FINE_SWITCH_S, finer_switching, run_cpu_bound
 
-DEFAULT = 0.005
-
-
-@pytest.fixture(autouse=True)
-def _interval() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(DEFAULT)
-    yield
-    sys.setswitchinterval(before)
+DEFAULT = DEFAULT_SWITCH_S
+pytestmark = pytest.mark.usefixtures("default_switch_interval")
 
 
 def test_the_interval_is_finer_inside_and_restored_after() -> None:
