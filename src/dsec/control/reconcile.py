@@ -104,7 +104,10 @@ class Reconciler:
 
     async def _judge_periodic(self) -> None:
         now = self.clock()
-        inputs = self.judge.periodic_inputs(now)
+        views = None
+        if len(self.state.workers) >= OFF_LOOP_WORKERS and self.judge.periodic_due(now):
+            views = await self.judge.active_views()  # with turns for the beats arriving meanwhile
+        inputs = self.judge.periodic_inputs(now, views)
         if inputs.workers >= OFF_LOOP_WORKERS:
             # At thousands of workers the fleet and quota judgments take 100+ ms of CPU: on a thread (they read
             # only frozen views and copies) the event loop keeps answering beats meanwhile, instead of holding

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import dsec.control.judge as judge_mod
 import dsec.control.reconcile as reconcile_mod
 from conftest import ADMIN_TOKEN, make_settings
 from dsec import pacing
@@ -143,6 +144,36 @@ async def test_judgments_that_give_way_to_requests_decide_the_same(
         await paced.reconcile()
     assert sum(1 for p in pauses if p > 0) >= 5  # it did give way, at many points of the pass
     assert by_rank(plain, ranks_a) == by_rank(paced, ranks_b)
+
+
+async def test_views_built_with_turns_for_the_loop_decide_the_same(
+    make_cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At scale the pass's views are built a chunk at a time with the event loop taking a turn in between
+    (``Judge.active_views``): a beat that arrives meanwhile is answered then, not after every view is built. The
+    loop really runs between chunks, and the pass decides what one built in a single go decides."""
+    whole, ranks_a = await make_cp("a")
+    chunked, ranks_b = await make_cp("b")
+    monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 10**9)  # views in one go, the pass on the loop
+    await whole.reconcile()
+    ran_between = asyncio.Event()
+    seen: list[bool] = []
+    real_view_of = judge_mod.view_of
+
+    def view_of(w: Any) -> Any:
+        seen.append(ran_between.is_set())
+        return real_view_of(w)
+
+    async def meanwhile() -> None:
+        await asyncio.sleep(0)
+        ran_between.set()
+
+    monkeypatch.setattr(judge_mod, "view_of", view_of)
+    monkeypatch.setattr(judge_mod, "VIEW_CHUNK", 3)
+    monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 1)
+    await asyncio.gather(chunked.reconcile(), meanwhile())
+    assert seen[:3] == [False] * 3 and seen[-1] is True  # the other coroutine ran after the first chunk
+    assert by_rank(whole, ranks_a) == by_rank(chunked, ranks_b)
 
 
 async def test_the_loop_answers_while_the_judgments_run(make_cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
