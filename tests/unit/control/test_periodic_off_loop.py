@@ -119,6 +119,12 @@ async def test_judgments_off_the_loop_decide_what_they_decide_on_it(
     assert a["quota"][0] is not None and a["quota"][0] > 4.0  # ...and the ramping workers got grants
 
 
+async def set_after_a_turn(flag: asyncio.Event | threading.Event) -> None:
+    """Another coroutine on the event loop: sets ``flag`` once the loop has given it a turn."""
+    await asyncio.sleep(0)
+    flag.set()
+
+
 async def test_judgments_that_give_way_to_requests_decide_the_same(
     make_cp: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,14 +170,10 @@ async def test_views_built_with_turns_for_the_loop_decide_the_same(
         seen.append(ran_between.is_set())
         return real_view_of(w)
 
-    async def meanwhile() -> None:
-        await asyncio.sleep(0)
-        ran_between.set()
-
     monkeypatch.setattr(judge_mod, "view_of", view_of)
     monkeypatch.setattr(judge_mod, "VIEW_CHUNK", 3)
     monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 1)
-    await asyncio.gather(chunked.reconcile(), meanwhile())
+    await asyncio.gather(chunked.reconcile(), set_after_a_turn(ran_between))
     assert seen[:3] == [False] * 3 and seen[-1] is True  # the other coroutine ran after the first chunk
     assert by_rank(whole, ranks_a) == by_rank(chunked, ranks_b)
 
@@ -186,13 +188,9 @@ async def test_the_loop_answers_while_the_judgments_run(make_cp: Any, monkeypatc
         assert answered.wait(timeout=10), "the event loop was blocked while the judgments ran"
         return real_run(self)
 
-    async def meanwhile() -> None:
-        await asyncio.sleep(0)
-        answered.set()
-
     monkeypatch.setattr(PeriodicInputs, "run", run)
     monkeypatch.setattr(reconcile_mod, "OFF_LOOP_WORKERS", 1)
-    await asyncio.gather(cp.reconcile(), meanwhile())
+    await asyncio.gather(cp.reconcile(), set_after_a_turn(answered))
     assert answered.is_set()
 
 
