@@ -229,12 +229,16 @@ class Judge:
         self.router.submit(alert)
 
     # -- periodic --------------------------------------------------------------------------------------
+    def _due(self, now: float) -> tuple[bool, bool]:
+        """Whether a pass at ``now`` has (a fleet judgment, a quota judgment) to make."""
+        return (
+            now - self._last_fleet >= self.config.fleet_interval_s,
+            now - self._last_quota >= self.config.quota_interval_s,
+        )
+
     def periodic_due(self, now: float) -> bool:
         """Whether a pass at ``now`` has a fleet or a quota judgment to make (``periodic_inputs`` would take views)."""
-        return (
-            now - self._last_fleet >= self.config.fleet_interval_s
-            or now - self._last_quota >= self.config.quota_interval_s
-        )
+        return any(self._due(now))
 
     async def active_views(self, chunk: int | None = None) -> dict[str, list[WorkerView]]:
         """The views of the active workers by pool (what ``periodic_inputs`` takes), giving the event loop a turn
@@ -247,9 +251,7 @@ class Judge:
         for start in range(0, len(workers), n):
             if start:
                 await asyncio.sleep(0)
-            for w in workers[start : start + n]:
-                if w.state is WorkerState.ACTIVE:
-                    out.setdefault(w.pool, []).append(view_of(w))
+            _add_active_views(out, workers[start : start + n])
         return out
 
     def periodic_inputs(self, now: float, views: dict[str, list[WorkerView]] | None = None) -> PeriodicInputs:
@@ -257,8 +259,7 @@ class Judge:
         the active workers (``views``, when the caller took them with ``active_views``) and copies of the judge's own
         state, so ``PeriodicInputs.run`` may run on another thread while beats go on. Hand its result to
         ``finish_periodic``."""
-        fleet_due = now - self._last_fleet >= self.config.fleet_interval_s
-        quota_due = now - self._last_quota >= self.config.quota_interval_s
+        fleet_due, quota_due = self._due(now)
         if fleet_due:
             self._last_fleet = now
         if quota_due:
@@ -317,11 +318,7 @@ class Judge:
         return changes, events
 
     def _active_by_pool(self) -> dict[str, list[WorkerView]]:
-        out: dict[str, list[WorkerView]] = {}
-        for w in list(self.state.workers.values()):
-            if w.state is WorkerState.ACTIVE:
-                out.setdefault(w.pool, []).append(view_of(w))
-        return out
+        return _add_active_views({}, list(self.state.workers.values()))
 
     def _take_fleet(self, inputs: PeriodicInputs, verdicts: Mapping[str, FleetVerdict]) -> list[Event]:
         events: list[Event] = []
@@ -370,6 +367,14 @@ class Judge:
             memory[p.name] = (sum(sizes) or None, max(sizes, default=0.0) or None)
         cards = {d.id: (d.card_id, gb[d.card_id]) for d in devices.values() if gb[d.card_id] > 0}
         return memory, cards
+
+
+def _add_active_views(out: dict[str, list[WorkerView]], workers: Iterable[LiveWorker]) -> dict[str, list[WorkerView]]:
+    """Add the views of the active ones of ``workers`` to ``out`` by pool; answers ``out``."""
+    for w in workers:
+        if w.state is WorkerState.ACTIVE:
+            out.setdefault(w.pool, []).append(view_of(w))
+    return out
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,7 @@ def judge_pool(
         actors=sum(1 for w in workers if w.role == "actor"),
         learner_step_ms=learner_step_ms(workers),
     )
-    pacing.checkpoint()
-    for w in pacing.paced(workers):
+    for w in pacing.paced(workers):  # paced checks before its first worker too
         before = previous.get(w.id, set())
         if not before and w.id not in flagged:  # the common case: nothing flagged before or now
             verdict.flags[w.id] = set()
