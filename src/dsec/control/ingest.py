@@ -141,13 +141,14 @@ async def _batch(
         )
     results: list[dict[str, Any] | None] = [None] * len(items)
     waiting: list[tuple[int, asyncio.Future[dict[str, Any]]]] = []
-    for i, item in enumerate(items):
-        done, result, rest = _start(_batch_item(cp, metrics, i, item))
-        if done:
-            results[i] = result
-        else:
-            assert rest is not None
-            waiting.append((i, rest))
+    with cp.commits_together():  # the items' durable writes (beats with events): one transaction, not one each
+        for i, item in enumerate(items):
+            done, result, rest = _start(_batch_item(cp, metrics, i, item))
+            if done:
+                results[i] = result
+            else:
+                assert rest is not None
+                waiting.append((i, rest))
     if waiting:
         finished = await asyncio.gather(*(f for _, f in waiting))
         for (i, _), result in zip(waiting, finished, strict=True):

@@ -8,6 +8,7 @@ test with any object that has these methods.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dsec.model import Device, Directive, Event, EventType, Pool
@@ -72,5 +73,7 @@ class HeartbeatEndpoint(Protocol):
     def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker: ...
 
     def batch_sender(self, token: str | None) -> None: ...
+
+    def commits_together(self) -> AbstractContextManager[None]: ...
 
     async def heartbeat(self, w: LiveWorker, req: Beat) -> dict[str, Any]: ...

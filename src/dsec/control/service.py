@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
@@ -251,6 +252,11 @@ class ControlPlane:
     def batch_sender(self, token: str | None) -> None:
         """Raises unless ``token`` may send a batch of heartbeats (whose items carry their own tokens)."""
         self.access.batch_sender(token)
+
+    def commits_together(self) -> AbstractContextManager[None]:
+        """Durable writes this thread submits inside the block are written in one transaction
+        (``GroupCommitWriter.grouped``): a batch of heartbeats' beats that carry events."""
+        return self.writer.grouped()
 
     def worker_for(self, worker_id: str, token: str | None, read: bool = False) -> LiveWorker:
         """The worker, if ``token`` is its own token or an admin token (with ``read``, a read-only token too)."""

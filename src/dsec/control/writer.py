@@ -17,8 +17,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +30,14 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 T = TypeVar("T")
+
+
+@dataclass
+class _Group:
+    """Batches submitted inside one ``grouped`` block, queued as one: the writer takes them into the same
+    transaction (with whatever else is queued then)."""
+
+    items: list[tuple[WriteBatch, Future[list[int]]]]
 
 
 @dataclass
@@ -59,6 +68,7 @@ class GroupCommitWriter:
         self._max_hot_rows = max_hot_rows
         self._queue: queue.Queue[Any] = queue.Queue()
         self._due: list[_Exclusive] = []  # drained exclusive calls, run once the batches before them are written
+        self._held = threading.local()  # per thread: the batches submitted inside its open ``grouped`` block
         self.commits = 0
         self.failures = 0
         self._thread = threading.Thread(target=self._run, name="dsec-writer", daemon=True)
@@ -69,14 +79,45 @@ class GroupCommitWriter:
         # Running from the start: a caller that stops waiting (a cancelled request or reconcile pass)
         # cannot cancel a write that will happen anyway, so the writer can always settle the future.
         fut.set_running_or_notify_cancel()
-        self._queue.put((batch, fut))
+        held: list[tuple[WriteBatch, Future[list[int]]]] | None = getattr(self._held, "items", None)
+        if held is not None:
+            held.append((batch, fut))
+        else:
+            self._queue.put((batch, fut))
         return fut
+
+    @contextmanager
+    def grouped(self) -> Iterator[None]:
+        """Batches this thread submits inside the block reach the writer together when it ends, so they are
+        written in one transaction, not in as many as the writer could start while they were being submitted.
+
+        For a request that submits many batches in one go: a batch of 500 heartbeats is applied in ~20 ms of
+        Python, and its beats that carry events submit a batch each as they come. The writer, idle, took each one
+        as it came and committed it nearly alone: at 1% of beats carrying events, ~2 batches a commit, and every
+        commit's SQLite calls took the GIL back from the event loop several times (benchmarks/beat_ceiling.py:
+        a third of the ingest throughput). The batches' futures wait a little longer to start (until the block
+        ends); what waits for all of them (the request's answer) does not wait longer. Nested blocks are one block;
+        other threads' submissions are not held."""
+        if getattr(self._held, "items", None) is not None:
+            yield
+            return
+        self._held.items = []
+        try:
+            yield
+        finally:
+            held, self._held.items = self._held.items, None
+            if held:
+                self._queue.put(_Group(held))
 
     def run_exclusive(self, fn: Callable[[Store], T]) -> Future[T]:
         """Run ``fn(store)`` on the writer thread once the batches submitted before it are written, with no
         transaction of this writer open beside it; its result (or exception) settles the future."""
         fut: Future[T] = Future()
         fut.set_running_or_notify_cancel()
+        held = getattr(self._held, "items", None)
+        if held:  # submitted before it inside a ``grouped`` block: written before it runs, as without the block
+            self._queue.put(_Group(held))
+            self._held.items = []
         self._queue.put(_Exclusive(fn, fut))
         return fut
 
@@ -91,6 +132,8 @@ class GroupCommitWriter:
             elif isinstance(item, _Exclusive):
                 self._due.append(item)
                 break
+            elif isinstance(item, _Group):
+                items.extend(item.items)
             elif item is not None:
                 items.append(item)
             if len(items) >= self._max_batch:
