@@ -146,6 +146,9 @@ class ServerProcess:
     def _spawn(self) -> None:
         env = dict(os.environ)
         env.pop("DSEC_DATABASE_URL", None)  # the temporary SQLite store unless the benchmark names one
+        # The control plane of this checkout, whichever the interpreter's editable install points at: a benchmark
+        # run from another worktree (the "before" of an A/B pair) otherwise served the main checkout's code.
+        own_src_first(env)
         if self.database_url is not None:
             env["DSEC_DATABASE_URL"] = self.database_url
         # The child's stdout goes to our stderr: our stdout's last line is the JSON result.
@@ -229,10 +232,15 @@ def wait_healthy(
 def dsec_run_env(**extra: str) -> dict[str, str]:
     """The environment for a ``python -m dsec.cli run`` child: this one without its ``DSEC_*`` settings (the run
     sets its own), this checkout's ``src`` first on ``PYTHONPATH``, then ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
+    env = own_src_first({k: v for k, v in os.environ.items() if not k.startswith("DSEC_")})
+    env.update(extra)
+    return env
+
+
+def own_src_first(env: dict[str, str]) -> dict[str, str]:
+    """``env`` (changed in place) with this checkout's ``src`` first on ``PYTHONPATH``."""
     rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), *rest])
-    env.update(extra)
     return env
 
 
