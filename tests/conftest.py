@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,7 +29,10 @@ import pytest
 from dsec.client import Client
 from dsec.control.app import create_app
 from dsec.control.server import ServerThread
+from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
+from dsec.control.store import open_store
+from dsec.model import Pool
 from pg_cluster import postgres_url  # noqa: F401  (the fixture, for every test that asks for it)
 
 ADMIN_TOKEN = "dsa_test-admin-token-0123456789"
@@ -187,6 +190,21 @@ def make_settings(home: Path, **overrides: Any) -> Settings:
     }
     opts.update(overrides)
     return Settings.from_env(**opts)
+
+
+@contextlib.asynccontextmanager
+async def control_plane_with_pool(home: Path, **overrides: Any) -> AsyncIterator[ControlPlane]:
+    """A real ``ControlPlane`` (no HTTP) over a SQLite file under ``home`` (``make_settings`` with ``overrides``),
+    with pool ``pool-a`` (4-12 GB); closed, with its store, when the block ends."""
+    settings = make_settings(home, **overrides)
+    store = open_store(settings.database_url)
+    plane = ControlPlane(settings, store)
+    try:
+        await plane.put_pool(Pool("pool-a", memory_base_gb=4.0, memory_ceiling_gb=12.0))
+        yield plane
+    finally:
+        plane.close()
+        store.close()
 
 
 @dataclass

@@ -11,26 +11,20 @@ from typing import Any
 import orjson
 import pytest
 
-from conftest import ADMIN_TOKEN, make_settings
+from conftest import ADMIN_TOKEN, control_plane_with_pool
 from dsec.control.ingest import handle_batch
 from dsec.control.metrics import ControlPlaneMetrics
 from dsec.control.schemas import RegisterRequest
 from dsec.control.service import ControlPlane
-from dsec.control.store import EventQuery, open_store
-from dsec.model import EventType, Pool
+from dsec.control.store import EventQuery
+from dsec.model import EventType
 
 
 @pytest.fixture
 async def cp(tmp_path: Path) -> AsyncIterator[ControlPlane]:
-    settings = make_settings(tmp_path, flush_interval_s=60)  # no hot-row flush in between: only the batch commits
-    store = open_store(settings.database_url)
-    plane = ControlPlane(settings, store)
-    try:
-        await plane.put_pool(Pool("pool-a", memory_base_gb=4.0, memory_ceiling_gb=12.0))
+    # No hot-row flush in between: the only commits are the batch's.
+    async with control_plane_with_pool(tmp_path, flush_interval_s=60) as plane:
         yield plane
-    finally:
-        plane.close()
-        store.close()
 
 
 async def test_a_batchs_beats_with_events_are_committed_together(

@@ -11,27 +11,18 @@ from typing import Any
 import orjson
 import pytest
 
-from conftest import ADMIN_TOKEN, make_settings
+from conftest import ADMIN_TOKEN, control_plane_with_pool
 from dsec import pacing
 from dsec.control.ingest import handle_batch, handle_heartbeat
 from dsec.control.metrics import ControlPlaneMetrics
 from dsec.control.schemas import RegisterRequest
 from dsec.control.service import ControlPlane
-from dsec.control.store import open_store
-from dsec.model import Pool
 
 
 @pytest.fixture
 async def cp(tmp_path: Path) -> AsyncIterator[ControlPlane]:
-    settings = make_settings(tmp_path)
-    store = open_store(settings.database_url)
-    plane = ControlPlane(settings, store)
-    try:
-        await plane.put_pool(Pool("pool-a", memory_base_gb=4.0, memory_ceiling_gb=12.0))
+    async with control_plane_with_pool(tmp_path) as plane:
         yield plane
-    finally:
-        plane.close()
-        store.close()
 
 
 async def test_a_beat_is_a_request_in_progress_while_it_is_applied(
