@@ -22,8 +22,10 @@ With ``--batch N`` the same workers also beat in batches — what ``dsec agent``
 ``POST /v1/heartbeats`` carrying N workers' beats (each with its own worker token), closed loop over the
 connections — after a single-beat phase of the same length on the same server, so one run reports both:
 ``worker_beats_per_s`` and ``p99_ms`` (of the batch requests: what each worker's beat waited) for the batched
-phase, ``single_heartbeats_per_s`` and ``single_p99_ms`` for the single-beat one. Workers register with as
-many pool tokens as their quota and burst need (2000 each).
+phase, ``single_heartbeats_per_s`` and ``single_p99_ms`` for the single-beat one, and ``batched_vs_single``: the
+ratio of the two rates. For a change to the batch path only, it compares two versions across runs on a noisy
+machine better than either rate. Workers register with as many pool tokens as their quota and burst need (2000
+each).
 
     .venv/bin/python benchmarks/ingest.py --workers 10000 --batch 500 --duration 10
 
@@ -453,6 +455,11 @@ async def bench(args: argparse.Namespace, server: ServerProcess, pool_tokens: li
         "p50_ms": batched["p50_ms"],
         "single_heartbeats_per_s": single["heartbeats_per_s"],
         "single_p99_ms": single["p99_ms"],
+        # The two phases share the run's machine: comparing two versions of the batch path by this ratio takes out
+        # much of the machine's speed between runs (docs/benchmarks.md, 2026-12-07 late night).
+        "batched_vs_single": round(batched["heartbeats_per_s"] / single["heartbeats_per_s"], 3)
+        if single["heartbeats_per_s"]
+        else None,
         "errors": single["errors"] + batched["errors"],
         "register_s": round(reg_s, 3),
         "single": single,
