@@ -93,11 +93,12 @@ class GroupCommitWriter:
 
         For a request that submits many batches in one go: a batch of 500 heartbeats is applied in ~20 ms of
         Python, and its beats that carry events submit a batch each as they come. The writer, idle, took each one
-        as it came and committed it nearly alone: at 1% of beats carrying events, ~2 batches a commit, and every
-        commit's SQLite calls took the GIL back from the event loop several times (benchmarks/beat_ceiling.py:
-        a third of the ingest throughput). The batches' futures wait a little longer to start (until the block
-        ends); what waits for all of them (the request's answer) does not wait longer. Nested blocks are one block;
-        other threads' submissions are not held."""
+        as it came and committed it nearly alone (~2 batches a commit at 1% of beats carrying events), and every
+        commit's SQLite calls took the GIL back from the event loop several times; beats with events cost about a
+        third of one process's ingest throughput (benchmarks/beat_ceiling.py, docs/benchmarks.md). With the block,
+        about one commit a request. The batches' futures start a little later (when the block ends); the request's
+        answer, which waits for all of them, waits about as long as before (its last items' commit came after the
+        block's end anyway). Nested blocks are one block; other threads' submissions are not held."""
         if getattr(self._held, "items", None) is not None:
             yield
             return
@@ -132,7 +133,7 @@ class GroupCommitWriter:
             elif isinstance(item, _Exclusive):
                 self._due.append(item)
                 break
-            elif isinstance(item, _Group):
+            elif isinstance(item, _Group):  # taken whole (one request's writes: at most MAX_BATCH_ITEMS)
                 items.extend(item.items)
             elif item is not None:
                 items.append(item)
