@@ -10,6 +10,7 @@ thread (server, writer, reporter) running.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -190,6 +192,15 @@ def make_settings(home: Path, **overrides: Any) -> Settings:
     }
     opts.update(overrides)
     return Settings.from_env(**opts)
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    """The Python file ``path`` (a script, a benchmark, an example: not on ``sys.path``) loaded as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.asynccontextmanager

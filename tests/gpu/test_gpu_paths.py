@@ -9,7 +9,6 @@ script's plumbing (the probe over gloo, a small snapshot).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from conftest import load_module
 
 try:
     import torch
@@ -56,11 +57,7 @@ def run_script(*args: str, cuda_visible: str | None = None, timeout: float = 120
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("gpu_check", SCRIPT)
 
 
 # -- without a GPU ------------------------------------------------------------------------------------------

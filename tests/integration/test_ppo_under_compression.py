@@ -7,7 +7,6 @@ see that the level was in force on both ranks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Harness
+from conftest import Harness, load_module
 from dsec.probe.ddp import HEADER_BYTES, chunk_bytes
 
 pytest.importorskip("torch")
@@ -30,11 +29,7 @@ RANDOM_POLICY_RETURN = 22.0
 
 
 def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("ppo_cartpole_ddp", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("ppo_cartpole_ddp", EXAMPLE)
 
 
 # 8-bit in make test-slow (~12 s): 4-bit, the harsher, stays in the default run.

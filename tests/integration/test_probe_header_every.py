@@ -5,7 +5,6 @@ send the bare gradient (no slots) while every bucket is still counted."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import load_module
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -28,11 +29,7 @@ STEPS = 14
 
 
 def _fixture_module() -> Any:
-    spec = importlib.util.spec_from_file_location("ddp_header_every", FIXTURE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module("ddp_header_every", FIXTURE)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ error feedback: over many steps the quantization errors cancel instead of adding
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import load_module
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -30,11 +31,7 @@ HALF_STEP = {32: 0.0, 16: 2.0**-11, 8: 1 / (2 * 127), 4: 1 / (2 * 7)}
 
 
 def _fixture_module() -> Any:
-    spec = importlib.util.spec_from_file_location("ddp_mixed_bits", FIXTURE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module("ddp_mixed_bits", FIXTURE)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ record, and every one of its queries parses (checked by promtool as recording ru
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conftest import load_module
 from dsec import telemetry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,11 +57,7 @@ def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
 
 
 def _builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("build_dashboard", DEPLOY / "grafana" / "build_dashboard.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("build_dashboard", DEPLOY / "grafana" / "build_dashboard.py")
 
 
 def dashboard_queries() -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -10,15 +9,13 @@ from typing import Any
 
 import pytest
 
+from conftest import load_module
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "_common.py"
 
 
 def _common() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_common", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("bench_common", BENCH)
 
 
 common = _common()

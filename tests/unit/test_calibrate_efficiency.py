@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -11,15 +10,13 @@ from typing import Any
 
 import pytest
 
+from conftest import load_module
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "calibrate_efficiency.py"
 
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("calibrate_efficiency", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("calibrate_efficiency", BENCH)
 
 
 cal = _bench()

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import load_module
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "calibrate_paused.py"
 
 
 def _bench() -> Any:
     sys.path.insert(0, str(BENCH.parent))  # it imports calibrate_efficiency's sign test from its own folder
-    spec = importlib.util.spec_from_file_location("calibrate_paused", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("calibrate_paused", BENCH)
 
 
 cal = _bench()
