@@ -59,7 +59,7 @@ from dsec.control.service import ControlPlane
 from dsec.control.settings import Settings
 from dsec.control.store import open_store
 from dsec.model import Pool
-from ingest import LOG_EVENT, METRIC_VARIANTS, NO_EVENTS, POOL, metric_blobs
+from ingest import LOG_EVENT, METRIC_VARIANTS, NO_EVENTS, POOL, batch_body, batch_item, item_head, metric_blobs
 
 ADMIN = "dsa_beat-ceiling-admin-token-0123"
 TARGET_BEATS_PER_S = 50_000
@@ -69,8 +69,7 @@ class Workers:
     """The simulated workers' ids, tokens, next seq and acked directive version; their batches' bodies."""
 
     def __init__(self, ids: list[str], tokens: list[str], batch: int, event_ratio: float) -> None:
-        pairs = zip(ids, tokens, strict=True)
-        self.heads = [b'{"worker_id":"%s","token":"%s",' % (i.encode(), t.encode()) for i, t in pairs]
+        self.heads = [item_head(i, t) for i, t in zip(ids, tokens, strict=True)]
         self.ids = ids
         self.seq = [0] * len(ids)
         self.acked = [0] * len(ids)
@@ -88,11 +87,8 @@ class Workers:
                 self.seq[k] += 1
                 blob = self.blobs[(k + self.seq[k]) % len(self.blobs)]
                 events = LOG_EVENT if self.rnd.random() < self.event_ratio else NO_EVENTS
-                parts.append(
-                    b'%s"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}'
-                    % (self.heads[k], self.seq[k], self.acked[k], blob, events)
-                )
-            out.append((start, b'{"items":[%s]}' % b",".join(parts)))
+                parts.append(batch_item(self.heads[k], self.seq[k], self.acked[k], blob, events))
+            out.append((start, batch_body(parts)))
         return out
 
     def answered(self, start: int, answer: dict[str, Any]) -> int:

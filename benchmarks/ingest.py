@@ -49,6 +49,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,21 @@ def metric_blobs(n: int, seed: int = 7) -> list[bytes]:
             )
         )
     return out
+
+
+def item_head(worker_id: str, token: str) -> bytes:
+    """The start of a worker's item in a batch body: its id and its own token (the rest: :func:`batch_item`)."""
+    return b'{"worker_id":"%s","token":"%s",' % (worker_id.encode(), token.encode())
+
+
+def batch_item(head: bytes, seq: int, acked: int, metrics: bytes, events: bytes) -> bytes:
+    """One worker's item of a ``POST /v1/heartbeats`` body, after its :func:`item_head`."""
+    return b'%s"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}' % (head, seq, acked, metrics, events)
+
+
+def batch_body(items: Iterable[bytes]) -> bytes:
+    """A ``POST /v1/heartbeats`` body of the items (:func:`batch_item`)."""
+    return b'{"items":[%s]}' % b",".join(items)
 
 
 @dataclass
@@ -258,7 +274,7 @@ class Run:
         w.acked = int(reg["directive"]["version"])  # we apply it at once: ack it on the first beat
         w.path = f"/v1/workers/{w.id}/heartbeat"
         w.raw_head = self.head_for(w.path, w.token)
-        w.item_head = b'{"worker_id":"%s","token":"%s",' % (w.id.encode(), w.token.encode())
+        w.item_head = item_head(w.id, w.token)
 
     async def register_all(self, workers: list[Worker]) -> None:
         conn = await self.connect()
@@ -292,11 +308,8 @@ class Run:
                     ev = NO_EVENTS
                     if rnd.random() < args.event_ratio:
                         ev, events = LOG_EVENT, events + 1
-                    parts.append(
-                        b'%s"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}'
-                        % (w.item_head, w.seq, w.acked, blobs[(w.rank + w.seq) % nblobs], ev)
-                    )
-                body = b'{"items":[%s]}' % b",".join(parts)
+                    parts.append(batch_item(w.item_head, w.seq, w.acked, blobs[(w.rank + w.seq) % nblobs], ev))
+                body = batch_body(parts)
                 t_send = perf()
                 try:
                     status, answer = await conn.post(path, group[0].token, head, body)

@@ -55,7 +55,18 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ServerProcess, admin_client, percentile
 from dsec.backoff import Backoff
-from ingest import METRIC_VARIANTS, NO_EVENTS, POOL, REGISTRATIONS_PER_TOKEN, RawConn, Run, Worker, metric_blobs
+from ingest import (
+    METRIC_VARIANTS,
+    NO_EVENTS,
+    POOL,
+    REGISTRATIONS_PER_TOKEN,
+    RawConn,
+    Run,
+    Worker,
+    batch_body,
+    batch_item,
+    metric_blobs,
+)
 
 
 @dataclass
@@ -86,10 +97,7 @@ class Soak:
         if rnd.random() < self.args.event_ratio:
             text = f"soak {w.id} {w.seq}"
             events = b'[{"type":"log","data":{"level":"info","msg":"%s"}}]' % text.encode()
-        body = b'%s"seq":%d,"acked_directive_version":%d,"metrics":%s,"events":%s}' % (
-            w.item_head, w.seq, w.acked, self.blobs[(w.rank + w.seq) % len(self.blobs)], events
-        )  # fmt: skip
-        return body, text
+        return batch_item(w.item_head, w.seq, w.acked, self.blobs[(w.rank + w.seq) % len(self.blobs)], events), text
 
     def answered(self, group: list[Worker], texts: list[str | None], answer: bytes, now: float) -> None:
         for w, text, r in zip(group, texts, orjson.loads(answer)["items"], strict=True):
@@ -130,7 +138,7 @@ class Soak:
             elif now < self.killed_at:  # the soak's own lag; during the crash every worker falls behind
                 self.behind_s = max(self.behind_s, now - due)
             parts, texts = zip(*(self.item(w, rnd) for w in groups[g]), strict=True)
-            body = b'{"items":[%s]}' % b",".join(parts)
+            body = batch_body(parts)
             attempt = 0
             while not self.stop:
                 try:
